@@ -1,0 +1,239 @@
+"""Supervised fine-tuning: prompt/response pairs, multi-turn conversations (loss on assistant turns
+only) and continued pretraining (loss on every token), packed by default.
+
+    torchrun --nproc_per_node 2 algos/sft.py --pretrain assets/llama-0.5m \\
+        --dataset assets/data/reverse/sft_train.jsonl --input_key prompt --output_key response \\
+        --apply_chat_template --save_path outputs/sft
+
+The loss is the mean over the loss tokens of the whole optimizer step (all micro-batches, all
+ranks), so gradient accumulation and the number of ranks do not change it.  A plain `python
+algos/sft.py` is a world of one.
+"""
+
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.data import BadRow, DataArgs, format_prompt, format_response, get_field, load_tokenizer, prepare_dataset, validate_data_args  # noqa: E402
+from common.engine import (  # noqa: E402
+    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_train_engine, deepspeed_config, device,
+    init_distributed, is_rank0, load_causal_lm, load_checkpoint, save_checkpoint, save_hf_model, set_seed,
+    validate_common_args, world_size_from_env,
+)
+from common.packing import collate, to_device, token_logps  # noqa: E402
+from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
+
+
+@dataclass
+class Args:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    train: TrainArgs = field(default_factory=lambda: TrainArgs(learning_rate=1e-5))
+    data: DataArgs = field(default_factory=DataArgs)
+    ckpt: CkptArgs = field(default_factory=lambda: CkptArgs(save_path="outputs/sft", ckpt_path="outputs/sft_ckpt"))
+    log: LogArgs = field(default_factory=LogArgs)
+    output_key: str = "output"
+    """Field holding the response (prompt/response data)."""
+    multiturn: bool = False
+    """--input_key holds a list of chat messages; loss on every assistant turn (needs --apply_chat_template)."""
+    pretrain_mode: bool = False
+    """Continued pretraining: --input_key holds plain text, no template, loss on every token."""
+    packing_samples: bool = True
+    """Bin-pack samples into rows without padding (--no_packing_samples: one padded sample per row)."""
+    pack_max_tokens: int = 0
+    """Longest packed row in tokens (0: --max_len)."""
+
+
+def parse_args(argv=None):
+    args = tyro.cli(Args, args=argv, config=(tyro.conf.OmitArgPrefixes,), use_underscores=True, description=__doc__)
+    validate_common_args(args.model, args.train, args.ckpt, world_size_from_env())
+    validate_data_args(args.data)
+    if args.multiturn and not args.data.apply_chat_template:
+        raise ValueError("--multiturn needs --apply_chat_template (turn boundaries come from the chat template)")
+    if args.multiturn and args.pretrain_mode:
+        raise ValueError("--multiturn and --pretrain_mode exclude each other")
+    if args.pack_max_tokens and args.pack_max_tokens < args.data.max_len:
+        raise ValueError(f"--pack_max_tokens {args.pack_max_tokens} must be >= --max_len {args.data.max_len}")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: which tokens a row holds and which of them carry loss  (forkers edit this)
+# ----------------------------------------------------------------------------------------------
+def tokenize(tokenizer, text, add_special_tokens=False):
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def sft_row(row, tokenizer, args: Args):
+    """One row -> {"input_ids", "loss_mask"}; raises BadRow naming the field for unusable rows."""
+    data = args.data
+    if args.pretrain_mode:
+        ids = tokenize(tokenizer, get_field(row, data.input_key) + tokenizer.eos_token, add_special_tokens=True)
+        mask = [1] * len(ids)
+    elif args.multiturn:
+        messages = get_field(row, data.input_key, list)
+        if not any(m.get("role") == "assistant" for m in messages):
+            raise BadRow(f"field {data.input_key!r} has no assistant turn")
+        ids, mask, before = [], [], ""
+        for i, message in enumerate(messages):
+            if not str(message.get("content") or "").strip():
+                raise BadRow(f"field {data.input_key!r}: message {i} ({message.get('role')}) is empty")
+            next_is_assistant = i + 1 < len(messages) and messages[i + 1].get("role") == "assistant"
+            upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False, add_generation_prompt=next_is_assistant)
+            if not upto.startswith(before):
+                raise BadRow(f"field {data.input_key!r}: the chat template does not render turn {i} as a suffix")
+            piece = tokenize(tokenizer, upto[len(before):])
+            ids += piece
+            mask += [int(message["role"] == "assistant")] * len(piece)
+            before = upto
+    else:
+        prompt = get_field(row, data.input_key)
+        response = get_field(row, args.output_key)
+        prompt_ids = tokenize(tokenizer, format_prompt(prompt, tokenizer, data), not data.apply_chat_template)
+        response_ids = tokenize(tokenizer, format_response(prompt, response, tokenizer, data))
+        ids, mask = prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
+    if len(ids) > data.max_len:
+        raise BadRow(f"{len(ids)} tokens, more than --max_len {data.max_len}")
+    return {"input_ids": ids, "loss_mask": mask}
+
+
+def batches_of(ds, indices, micro):
+    rows = ds[list(indices)]
+    samples = [{"input_ids": i, "loss_mask": m} for i, m in zip(rows["input_ids"], rows["loss_mask"])]
+    return [samples[k : k + micro] for k in range(0, len(samples), micro)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation: loss and next-token accuracy over the response tokens of the held-out set
+# ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(engine, eval_ds, args, pad_id):
+    engine.eval()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    nll = tokens = correct = 0.0
+    mine = range(rank, len(eval_ds), world)
+    for samples in progress(batches_of(eval_ds, mine, args.train.micro_train_batch_size), is_rank0(), desc="eval", leave=False):
+        batch = to_device(make_batch(samples, args, pad_id), device())
+        logps, _, hits = token_logps(engine, batch, return_argmax=True)
+        mask = batch["loss_mask"]
+        nll -= (logps * mask).sum().item()
+        tokens += mask.sum().item()
+        correct += (hits * mask).sum().item()
+    nll, tokens, correct = all_reduce_sum([nll, tokens, correct])
+    engine.train()
+    return {"eval/loss": nll / max(tokens, 1), "eval/token_accuracy": correct / max(tokens, 1)}
+
+
+def make_batch(samples, args, pad_id):
+    one_row = args.model.attn_implementation == "flash_attention_2" or (
+        args.model.attn_implementation is None and torch.cuda.is_available() and _has_flash_attn())
+    return collate(samples, pad_id, packing=args.packing_samples, max_tokens=args.pack_max_tokens or args.data.max_len,
+                   one_row=args.packing_samples and one_row)
+
+
+def _has_flash_attn():
+    try:
+        import flash_attn  # noqa: F401
+
+        return True
+    except ImportError:
+        return False
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+def main(args: Args):
+    init_distributed()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    set_seed(args.train.seed)
+    tokenizer = load_tokenizer(args.model.pretrain, args.data)
+
+    # rank 0 tokenizes first and fills the datasets cache; the others then read it
+    for turn in ("first", "rest"):
+        if (turn == "first") == is_rank0():
+            train_ds = prepare_dataset(args.data.dataset, args.data.dataset_split, lambda r: sft_row(r, tokenizer, args),
+                                       ("input_ids", "loss_mask"), args.data, probs=args.data.dataset_probs,
+                                       seed=args.train.seed, max_samples=args.data.max_samples)
+            eval_ds = args.data.eval_dataset and prepare_dataset(
+                args.data.eval_dataset, args.data.eval_split, lambda r: sft_row(r, tokenizer, args),
+                ("input_ids", "loss_mask"), args.data)
+        torch.distributed.barrier()
+
+    batch_size, micro = args.train.train_batch_size, args.train.micro_train_batch_size
+    gas = accumulation_steps(batch_size, micro, world)
+    steps_per_epoch = len(train_ds) // batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(train_ds)} training samples is fewer than --train_batch_size {batch_size}")
+    total_steps = steps_per_epoch * args.train.max_epochs
+
+    ds_config = deepspeed_config(args.train, world)
+    model = load_causal_lm(args.model, ds_config)
+    engine = create_train_engine(model, args.train, ds_config, total_steps)
+    start_step = 0
+    if args.ckpt.load_checkpoint:
+        state = load_checkpoint(engine, args.ckpt.ckpt_path)
+        if state is not None:
+            start_step = state["global_step"]
+            print(f"[rank {rank}] resumed from {args.ckpt.ckpt_path} at step {start_step}")
+    logger = MetricsLogger(args.log, asdict(args), is_rank0())
+    pad_id = tokenizer.pad_token_id
+
+    bar = progress(range(start_step, total_steps), is_rank0(), desc="sft", initial=start_step, total=total_steps)
+    for step in bar:
+        t0 = time.time()
+        epoch, k = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
+        step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
+        per_rank = batch_size // world
+        local = step_indices[rank * per_rank : (rank + 1) * per_rank]
+        micro_batches = [to_device(make_batch(s, args, pad_id), device()) for s in batches_of(train_ds, local, micro)]
+
+        # normaliser: loss tokens of the whole optimizer step, over every micro-batch and rank
+        (step_tokens,) = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in micro_batches)])
+        step_nll = 0.0
+        for batch in micro_batches:
+            logps, outputs = token_logps(engine, batch)
+            nll = -(logps * batch["loss_mask"]).sum()
+            # DeepSpeed divides by the accumulation steps and averages over ranks; undo both
+            loss = nll * (gas * world) / step_tokens
+            if args.model.aux_loss_coef > 0:
+                loss = loss + args.model.aux_loss_coef * outputs.aux_loss
+            engine.backward(loss)
+            engine.step()
+            step_nll += nll.item()
+
+        global_step = step + 1
+        (step_nll,) = all_reduce_sum([step_nll])
+        metrics = {"train/loss": step_nll / step_tokens, "train/lr": engine.get_lr()[0], "train/epoch": epoch,
+                   "perf/tokens_per_s": step_tokens / (time.time() - t0)}
+        grad_norm = engine.get_global_grad_norm()
+        if grad_norm is not None:
+            metrics["train/grad_norm"] = float(grad_norm)
+        bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
+        end_of_epoch = global_step % steps_per_epoch == 0
+        if eval_ds and ((args.log.eval_steps > 0 and global_step % args.log.eval_steps == 0)
+                        or (args.log.eval_steps <= 0 and end_of_epoch)):
+            metrics.update(evaluate(engine, eval_ds, args, pad_id))
+            if is_rank0():
+                print(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/")))
+        if global_step % args.log.logging_steps == 0 or "eval/loss" in metrics:
+            logger.log(metrics, global_step)
+        if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
+            save_checkpoint(engine, args.ckpt.ckpt_path, global_step,
+                            {"global_step": global_step, "consumed_samples": global_step * batch_size},
+                            args.ckpt.max_ckpt_num)
+
+    save_hf_model(engine, tokenizer, args.ckpt.save_path, merge_lora=args.ckpt.merge_lora, base_path=args.model.pretrain)
+    if is_rank0():
+        print(f"saved {args.ckpt.save_path}")
+    logger.close()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(parse_args())

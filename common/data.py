@@ -1,0 +1,194 @@
+"""Datasets: load any spec `datasets` supports, mix with probabilities, format prompts with chat or
+plain templates, and tokenize in parallel workers (cached by `datasets`) with row-level errors.
+
+What a row turns into (which fields, which tokens carry loss) is decided by each algorithm script;
+this module only runs that function over the data and reports bad rows by file and row.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+@dataclass
+class DataArgs:
+    dataset: str = "assets/data/reverse/sft_train.jsonl"
+    """Comma list of datasets: local json/jsonl/csv/parquet/arrow files or folders, save_to_disk folders, `type@dir`, or hub names."""
+    dataset_probs: Optional[str] = None
+    """Comma list of mixing probabilities, one per dataset (default: concatenate)."""
+    dataset_split: str = "train"
+    """Split of --dataset to train on (local files have only 'train')."""
+    eval_dataset: Optional[str] = None
+    """Comma list of held-out datasets for periodic evaluation."""
+    eval_split: str = "train"
+    """Split of --eval_dataset."""
+    max_samples: int = 100_000_000
+    """Use at most this many training samples (after mixing)."""
+    max_len: int = 2048
+    """Longest sample in tokens; longer samples are an error (or skipped with --skip_bad_rows)."""
+    input_key: str = "input"
+    """Field holding the prompt (a string, or a list of chat messages)."""
+    input_template: Optional[str] = None
+    """Plain prompt template with one '{}' for the prompt, e.g. 'User: {}\\nAssistant: ' (no chat template)."""
+    apply_chat_template: bool = False
+    """Format prompts with the tokenizer's chat template."""
+    tokenizer_chat_template: Optional[str] = None
+    """A Jinja chat template that replaces the tokenizer's own."""
+    skip_bad_rows: bool = False
+    """Skip and count malformed or too-long rows instead of stopping with an error."""
+    preprocess_num_workers: int = 1
+    """Processes that tokenize the data."""
+
+
+class BadRow(ValueError):
+    """Raised by a row function for a row that cannot be used; the message names the field."""
+
+
+def validate_data_args(args: DataArgs):
+    """Checks that need no data or model: raise ValueError naming the flag."""
+    specs = split_specs(args.dataset)
+    if not specs:
+        raise ValueError("--dataset is empty")
+    if args.dataset_probs is not None:
+        probs = [float(p) for p in args.dataset_probs.split(",")]
+        if len(probs) != len(specs):
+            raise ValueError(f"--dataset_probs has {len(probs)} values but --dataset names {len(specs)} datasets")
+        if any(p < 0 for p in probs) or abs(sum(probs) - 1) > 1e-6:
+            raise ValueError(f"--dataset_probs must be non-negative and sum to 1, got {args.dataset_probs}")
+    if args.input_template is not None and "{}" not in args.input_template:
+        raise ValueError(f"--input_template must contain '{{}}' where the prompt goes, got {args.input_template!r}")
+    if args.max_len < 2:
+        raise ValueError(f"--max_len must be >= 2, got {args.max_len}")
+
+
+def split_specs(specs):
+    return [s.strip() for s in (specs or "").split(",") if s.strip()]
+
+
+def load_one(spec, split):
+    """Load one dataset spec as a `datasets.Dataset`; errors name the spec and the available splits."""
+    import datasets
+
+    ext = os.path.splitext(spec)[1].lower()
+    try:
+        if os.path.isfile(spec):
+            if ext not in FILE_BUILDERS:
+                raise ValueError(f"unsupported file type {ext!r} (use one of {sorted(FILE_BUILDERS)})")
+            return datasets.load_dataset(FILE_BUILDERS[ext], data_files=spec, split=split)
+        if os.path.isdir(spec):
+            if os.path.exists(os.path.join(spec, "dataset_dict.json")) or os.path.exists(os.path.join(spec, "state.json")):
+                ds = datasets.load_from_disk(spec)
+                return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+            return datasets.load_dataset(spec, split=split)
+        if "@" in spec:  # OpenRLHF's type@dir: a builder (json, parquet, ...) over a folder
+            builder, data_dir = spec.split("@", 1)
+            return datasets.load_dataset(builder, data_dir=data_dir, split=split)
+        if ext in FILE_BUILDERS:
+            raise FileNotFoundError(f"no such file: {spec}")
+        return datasets.load_dataset(spec, split=split)
+    except KeyError as e:
+        raise ValueError(f"dataset {spec}: no split {split!r} ({e})") from None
+    except ValueError as e:
+        if "split" in str(e).lower():
+            raise ValueError(f"dataset {spec}: no split {split!r}: {e}") from None
+        raise ValueError(f"dataset {spec}: {e}") from None
+    except Exception as e:
+        raise ValueError(f"dataset {spec} could not be loaded (not a local file or folder, and not reachable "
+                         f"as a hub dataset): {type(e).__name__}: {e}") from None
+
+
+def format_prompt(prompt, tokenizer, args: DataArgs):
+    """The prompt text the model sees: chat template (a string becomes one user turn), the
+    plain --input_template, or the raw text."""
+    if args.apply_chat_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not isinstance(prompt, str):
+        raise BadRow("is a list of messages: pass --apply_chat_template")
+    return args.input_template.format(prompt) if args.input_template else prompt
+
+
+def format_response(prompt, response, tokenizer, args: DataArgs):
+    """The response text appended to format_prompt(prompt): under a chat template, what the
+    template adds for the assistant turn (end-of-turn tokens included); otherwise response + EOS."""
+    if args.apply_chat_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=False)
+        if not full.startswith(prompt_text):
+            raise BadRow("chat template output does not start with the templated prompt")
+        return full[len(prompt_text):]
+    return response if response.endswith(tokenizer.eos_token) else response + tokenizer.eos_token
+
+
+def get_field(row, key, kind=str):
+    """row[key], checked: a missing key, None, wrong type or empty string raises BadRow naming it."""
+    if key not in row or row[key] is None:
+        raise BadRow(f"missing field {key!r} (fields: {sorted(k for k, v in row.items() if v is not None)})")
+    value = row[key]
+    if kind is str and isinstance(value, list) and value and isinstance(value[0], dict):
+        return value  # chat messages
+    if not isinstance(value, kind):
+        raise BadRow(f"field {key!r} should be {kind.__name__}, got {type(value).__name__}")
+    if isinstance(value, str) and not value.strip():
+        raise BadRow(f"field {key!r} is empty")
+    return value
+
+
+def prepare_dataset(specs, split, row_fn: Callable, columns, args: DataArgs, probs=None, seed=0, max_samples=None):
+    """Load each spec, run `row_fn(row) -> dict of columns` over it in parallel workers, stop with the
+    first bad row (file, row, reason) or skip and count them, then mix or concatenate."""
+    import datasets
+
+    def safe_row_fn(row, index):
+        try:
+            out = row_fn(row)
+            out["_error"] = ""
+        except BadRow as e:
+            out = {c: [] for c in columns}
+            out["_error"] = f"row {index}: {e}"
+        return out
+
+    prepared = []
+    for spec in split_specs(specs):
+        raw = load_one(spec, split)
+        ds = raw.map(
+            safe_row_fn, with_indices=True, remove_columns=raw.column_names,
+            num_proc=args.preprocess_num_workers if args.preprocess_num_workers > 1 else None,
+            desc=f"Preparing {os.path.basename(spec)}",
+        )
+        errors = [e for e in ds["_error"] if e]
+        if errors and not args.skip_bad_rows:
+            raise ValueError(f"{spec}: {len(errors)} bad row(s) of {len(ds)}; first: {errors[0]}. "
+                             f"Fix the data or pass --skip_bad_rows to skip and count them.")
+        if errors:
+            print(f"[data] {spec}: skipped {len(errors)} bad row(s) of {len(ds)}; first: {errors[0]}")
+            ds = ds.filter(lambda e: not e, input_columns="_error")
+        if len(ds) == 0:
+            raise ValueError(f"{spec}: no usable rows")
+        prepared.append(ds.remove_columns("_error"))
+    if probs:
+        mixed = datasets.interleave_datasets(
+            prepared, probabilities=[float(p) for p in probs.split(",")], seed=seed, stopping_strategy="all_exhausted"
+        )
+    else:
+        mixed = datasets.concatenate_datasets(prepared)
+    if max_samples is not None and len(mixed) > max_samples:
+        mixed = mixed.select(range(max_samples))
+    return mixed
+
+
+def load_tokenizer(path, args: DataArgs):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if args.tokenizer_chat_template:
+        tokenizer.chat_template = args.tokenizer_chat_template
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if args.apply_chat_template and not tokenizer.chat_template:
+        raise ValueError(f"--apply_chat_template: the tokenizer of {path} has no chat template; "
+                         "give one with --tokenizer_chat_template")
+    return tokenizer

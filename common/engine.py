@@ -1,0 +1,408 @@
+"""DeepSpeed mechanism: distributed init, batch arithmetic, model loading (LoRA / QLoRA / ZeRO-3),
+engine creation, resumable checkpoints and Hugging Face export.
+
+Plain functions over three small option groups (ModelArgs, TrainArgs, CkptArgs) that every
+training script nests into its own `Args`.
+"""
+
+import glob
+import json
+import os
+import random
+import re
+import shutil
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+# ----------------------------------------------------------------------------------------------
+# Option groups (flat on the command line: --zero_stage, --lora_rank, ...)
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class ModelArgs:
+    pretrain: str = "assets/llama-0.5m"
+    """Hugging Face model directory (or hub name) to start from."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    attn_implementation: Optional[str] = None
+    """Attention kernel; default flash_attention_2 on CUDA when installed, else sdpa."""
+    lora_rank: int = 0
+    """LoRA rank; 0 trains all weights."""
+    lora_alpha: int = 16
+    """LoRA scaling alpha."""
+    lora_dropout: float = 0.0
+    """LoRA dropout."""
+    target_modules: str = "all-linear"
+    """Comma list of module names LoRA adapts ('all-linear' for every linear layer but the head)."""
+    load_in_4bit: bool = False
+    """Load the base model in 4-bit NF4 (QLoRA; needs --lora_rank > 0)."""
+    aux_loss_coef: float = 0.0
+    """Coefficient of the MoE router load-balancing loss (0: off)."""
+
+
+@dataclass
+class TrainArgs:
+    train_batch_size: int = 32
+    """Global samples per optimizer step, across all data-parallel ranks."""
+    micro_train_batch_size: int = 8
+    """Samples per forward pass on one rank; accumulation steps are derived."""
+    max_epochs: int = 1
+    """Passes over the training data."""
+    learning_rate: float = 1e-5
+    """Peak learning rate (AdamW)."""
+    lr_warmup_ratio: float = 0.03
+    """Fraction of steps with linear warmup."""
+    lr_scheduler: str = "cosine_with_min_lr"
+    """Any transformers scheduler name (constant_with_warmup, linear, cosine_with_min_lr, ...)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of the peak (cosine_with_min_lr only)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (not applied to biases and norms)."""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    max_norm: float = 1.0
+    """Gradient clipping norm (0: off)."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage: 0, 1, 2 or 3."""
+    adam_offload: bool = False
+    """Keep optimizer states on the CPU (DeepSpeedCPUAdam)."""
+    param_offload: bool = False
+    """Keep parameters on the CPU (ZeRO-3 only)."""
+    seed: int = 42
+    """Seed for data order and initialisation."""
+
+
+@dataclass
+class CkptArgs:
+    save_path: str = "outputs/model"
+    """Final Hugging Face export directory."""
+    save_steps: int = -1
+    """Save a resumable DeepSpeed checkpoint every N optimizer steps (-1: only at the end if --ckpt_path)."""
+    ckpt_path: str = "outputs/checkpoints"
+    """Directory of resumable checkpoints."""
+    load_checkpoint: bool = False
+    """Resume from the latest checkpoint in --ckpt_path if there is one."""
+    max_ckpt_num: int = 3
+    """Keep only the newest N checkpoints."""
+    merge_lora: bool = False
+    """With LoRA, export base weights merged with the adapter (the adapter also goes to save_path/adapter)."""
+
+
+def validate_common_args(model: ModelArgs, train: TrainArgs, ckpt: CkptArgs, world_size: int):
+    """Argument checks that need no model: raise ValueError naming the flag."""
+    if train.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"--zero_stage must be 0, 1, 2 or 3, got {train.zero_stage}")
+    if train.param_offload and train.zero_stage != 3:
+        raise ValueError("--param_offload needs --zero_stage 3")
+    if model.load_in_4bit and model.lora_rank <= 0:
+        raise ValueError("--load_in_4bit (QLoRA) trains LoRA adapters: set --lora_rank > 0")
+    if ckpt.merge_lora and model.lora_rank <= 0:
+        raise ValueError("--merge_lora needs --lora_rank > 0")
+    if ckpt.max_ckpt_num < 1:
+        raise ValueError(f"--max_ckpt_num must be >= 1, got {ckpt.max_ckpt_num}")
+    accumulation_steps(train.train_batch_size, train.micro_train_batch_size, world_size)
+
+
+def accumulation_steps(train_batch_size, micro_train_batch_size, world_size):
+    """Gradient accumulation steps so that micro x accumulation x world = global batch."""
+    per_step = micro_train_batch_size * world_size
+    if micro_train_batch_size < 1 or train_batch_size % per_step:
+        raise ValueError(
+            f"--train_batch_size {train_batch_size} must be a multiple of --micro_train_batch_size "
+            f"{micro_train_batch_size} x world size {world_size} = {per_step}"
+        )
+    return train_batch_size // per_step
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed setup
+# ----------------------------------------------------------------------------------------------
+def world_size_from_env():
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed():
+    """Join the torchrun group (NCCL on CUDA, gloo on CPU); a plain `python` run is a world of one."""
+    import deepspeed
+
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+
+
+def is_rank0():
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def set_seed(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def all_reduce_sum(values):
+    """Sum a list of floats over all ranks (float64, so token counts stay exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device())
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSpeed config and model loading
+# ----------------------------------------------------------------------------------------------
+def deepspeed_config(train: TrainArgs, world_size, micro_batch=None, train_mode=True):
+    """DeepSpeed config dict: bf16 on CUDA, fp32 on CPU; eval engines get no optimizer sections."""
+    micro = micro_batch or train.micro_train_batch_size
+    zero = {"stage": train.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
+    if train.zero_stage == 3:
+        zero.update(stage3_param_persistence_threshold=1e4, stage3_prefetch_bucket_size=5e7)
+    if train_mode and train.adam_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if train.param_offload:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "zero_optimization": zero,
+        "bf16": {"enabled": torch.cuda.is_available()},
+        "steps_per_print": 10**12,
+        "wall_clock_breakdown": False,
+    }
+    if train_mode:
+        gas = accumulation_steps(train.train_batch_size, micro, world_size)
+        config.update(
+            gradient_accumulation_steps=gas, train_batch_size=train.train_batch_size,
+            gradient_clipping=train.max_norm, zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False,
+        )
+    return config
+
+
+_HF_DS_CONFIGS = []  # transformers reads ZeRO-3 settings from a live HfDeepSpeedConfig at from_pretrained
+
+
+def default_attn_implementation():
+    if torch.cuda.is_available():
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def load_causal_lm(model_args: ModelArgs, ds_config=None, path=None, model_cls=None, **kwargs):
+    """Load a causal LM for training or inference, partitioned at load time under ZeRO-3,
+    with LoRA / QLoRA adapters and gradient checkpointing as asked."""
+    from transformers import AutoModelForCausalLM
+
+    model_cls = model_cls or AutoModelForCausalLM
+    if ds_config is not None and ds_config["zero_optimization"]["stage"] == 3:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        _HF_DS_CONFIGS.append(HfDeepSpeedConfig(ds_config))
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    if model_args.load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
+        )
+    model = model_cls.from_pretrained(
+        path or model_args.pretrain, dtype=dtype,
+        attn_implementation=model_args.attn_implementation or default_attn_implementation(), **kwargs,
+    )
+    _HF_DS_CONFIGS.clear()
+    if model_args.aux_loss_coef > 0:
+        if not hasattr(model.config, "output_router_logits"):
+            raise ValueError(f"--aux_loss_coef is set but {model.config.model_type} is not a mixture-of-experts model")
+        model.config.output_router_logits = True
+    if ds_config is not None and ds_config["zero_optimization"]["stage"] == 3:
+        moe_blocks = {type(m) for m in model.modules() if type(m).__name__.endswith("SparseMoeBlock")}
+        if moe_blocks:  # ZeRO-3 hangs when experts are gathered one by one; gather each MoE block whole
+            from deepspeed.utils import set_z3_leaf_modules
+
+            set_z3_leaf_modules(model, list(moe_blocks))
+    if model_args.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=model_args.gradient_checkpointing)
+    if model_args.lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        targets = model_args.target_modules
+        model = get_peft_model(model, LoraConfig(
+            r=model_args.lora_rank, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
+            target_modules=targets if targets == "all-linear" else targets.split(","), task_type="CAUSAL_LM",
+        ))
+    if model_args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if model_args.lora_rank > 0:
+            model.enable_input_require_grads()
+    model.config.use_cache = False  # packed rows give wrong logits with the KV cache on
+    return model
+
+
+def create_train_engine(model, train: TrainArgs, ds_config, num_training_steps):
+    """Wrap `model` in a DeepSpeed engine with AdamW (no decay on biases / norms) and a warmup schedule."""
+    import deepspeed
+    from transformers import get_scheduler
+
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    opt_kwargs = dict(lr=train.learning_rate, betas=train.adam_betas, eps=1e-8)
+    if train.adam_offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **opt_kwargs)
+    elif torch.cuda.is_available():
+        from deepspeed.ops.adam import FusedAdam
+
+        optimizer = FusedAdam(groups, adam_w_mode=True, **opt_kwargs)
+    else:
+        optimizer = torch.optim.AdamW(groups, **opt_kwargs)
+    extra = {"min_lr_rate": train.min_lr_ratio} if train.lr_scheduler == "cosine_with_min_lr" else None
+    scheduler = get_scheduler(
+        train.lr_scheduler, optimizer, num_warmup_steps=int(train.lr_warmup_ratio * num_training_steps),
+        num_training_steps=num_training_steps, scheduler_specific_kwargs=extra,
+    )
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    return engine
+
+
+def create_eval_engine(model, ds_config):
+    """A frozen model under DeepSpeed inference (ZeRO-3 partitioned when the config says so)."""
+    import deepspeed
+
+    model.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    engine.eval()
+    return engine
+
+
+# ----------------------------------------------------------------------------------------------
+# Resumable checkpoints: DeepSpeed state + data position + per-rank RNG, `latest` written last
+# ----------------------------------------------------------------------------------------------
+def _rng_state():
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _step_of(tag):
+    m = re.fullmatch(r"global_step(\d+)", tag)
+    return int(m.group(1)) if m else -1
+
+
+def save_checkpoint(engine, ckpt_path, global_step, client_state, max_ckpt_num):
+    """Save `global_step{N}`; point `latest` at it only after every rank finished (atomic rename),
+    then drop the oldest checkpoints. A crash mid-save leaves the previous good one in place."""
+    tag = f"global_step{global_step}"
+    engine.save_checkpoint(ckpt_path, tag=tag, client_state=client_state, save_latest=False)
+    torch.save(_rng_state(), os.path.join(ckpt_path, tag, f"rng_state_rank{dist.get_rank()}.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = os.path.join(ckpt_path, "latest.tmp")
+        with open(tmp, "w") as f:
+            f.write(tag)
+        os.replace(tmp, os.path.join(ckpt_path, "latest"))
+        tags = sorted((d for d in os.listdir(ckpt_path) if 0 <= _step_of(d) < global_step), key=_step_of)
+        for old in tags[: max(0, len(tags) - (max_ckpt_num - 1))]:
+            shutil.rmtree(os.path.join(ckpt_path, old), ignore_errors=True)
+    dist.barrier()
+
+
+def load_checkpoint(engine, ckpt_path):
+    """Load the checkpoint `latest` points to; returns its client_state, or None when there is none."""
+    latest = os.path.join(ckpt_path, "latest")
+    if not os.path.exists(latest):
+        return None
+    with open(latest) as f:
+        tag = f.read().strip()
+    _, client_state = engine.load_checkpoint(ckpt_path, tag=tag)
+    if client_state is None:
+        raise RuntimeError(f"checkpoint {ckpt_path}/{tag} could not be loaded")
+    rng_file = os.path.join(ckpt_path, tag, f"rng_state_rank{dist.get_rank()}.pt")
+    if os.path.exists(rng_file):
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return client_state
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face export
+# ----------------------------------------------------------------------------------------------
+def gathered_state_dict(engine):
+    """Full state dict on rank 0 (gathered layer by layer under ZeRO-3); None on other ranks."""
+    if engine.zero_optimization_stage() == 3:
+        return engine._zero3_consolidated_16bit_state_dict()
+    return engine.module.state_dict() if is_rank0() else None
+
+
+def save_hf_model(engine, tokenizer, save_path, merge_lora=False, base_path=None, extra_config=None):
+    """`save_pretrained` the trained model (or its LoRA adapter, or base + adapter merged) and the
+    tokenizer, so transformers, vLLM and peft load it with no conversion."""
+    state_dict = gathered_state_dict(engine)
+    if is_rank0():
+        model = engine.module
+        is_peft = hasattr(model, "peft_config")
+        out = os.path.join(save_path, "adapter") if is_peft and merge_lora else save_path
+        os.makedirs(out, exist_ok=True)
+        if extra_config:
+            target = model.get_base_model().config if is_peft else model.config
+            for key, value in extra_config.items():
+                setattr(target, key, value)
+        model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        if is_peft and merge_lora:
+            from peft import PeftModel
+            from transformers import AutoModelForCausalLM
+
+            base = AutoModelForCausalLM.from_pretrained(base_path, dtype=next(iter(state_dict.values())).dtype)
+            merged = PeftModel.from_pretrained(base, out).merge_and_unload()
+            if extra_config:
+                for key, value in extra_config.items():
+                    setattr(merged.config, key, value)
+            merged.save_pretrained(save_path, safe_serialization=True)
+            tokenizer.save_pretrained(save_path)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def write_json(path, obj):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+
+
+def list_checkpoints(ckpt_path):
+    """Checkpoint tags in ckpt_path, oldest first."""
+    return sorted((os.path.basename(d) for d in glob.glob(os.path.join(ckpt_path, "global_step*"))), key=_step_of)

@@ -1,0 +1,109 @@
+"""Packing: bin-pack variable-length samples into rows with `position_ids` restarting at 0 per sample
+and no attention mask, so transformers runs flash-attention's varlen kernel on CUDA and a
+block-diagonal SDPA mask on CPU; plus the padded layout kept for comparison, and the per-token
+log-prob forward both share.
+
+A sample is a dict with `input_ids` (list of ints) and `loss_mask` (list of 0/1: 1 where the token
+is a target whose log-prob counts).
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def pack_sequences(lengths, max_tokens):
+    """First-fit-decreasing bin packing: lists of sample indices whose lengths sum to <= max_tokens."""
+    rows, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if lengths[i] > max_tokens:
+            raise ValueError(f"sample {i} has {lengths[i]} tokens, more than the row limit {max_tokens}")
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(max_tokens - lengths[i])
+    return rows
+
+
+def collate(samples, pad_token_id, packing=True, max_tokens=None, one_row=False):
+    """Batch samples as tensors of shape (rows, length).
+
+    packing=True: bin-packed rows of at most `max_tokens` (one row for all with `one_row`, as
+    flash-attention's varlen path wants), no attention mask. packing=False: one right-padded
+    sample per row with an attention mask. Either way `sample_index` maps each token to its
+    sample (-1 on padding) and `spans[i] = (row, start, length)` locates sample i.
+    """
+    lengths = [len(s["input_ids"]) for s in samples]
+    if packing:
+        rows = [list(range(len(samples)))] if one_row else pack_sequences(lengths, max_tokens or max(lengths))
+    else:
+        rows = [[i] for i in range(len(samples))]
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    shape = (len(rows), width)
+    input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    loss_mask = torch.zeros(shape, dtype=torch.float32)
+    sample_index = torch.full(shape, -1, dtype=torch.long)
+    attention_mask = torch.zeros(shape, dtype=torch.long)
+    spans = [None] * len(samples)
+    for r, row in enumerate(rows):
+        start = 0
+        for i in row:
+            n = lengths[i]
+            input_ids[r, start : start + n] = torch.tensor(samples[i]["input_ids"])
+            position_ids[r, start : start + n] = torch.arange(n)
+            loss_mask[r, start : start + n] = torch.tensor(samples[i]["loss_mask"], dtype=torch.float32)
+            loss_mask[r, start] = 0  # a sample's first token has no prediction inside the sample
+            sample_index[r, start : start + n] = i
+            attention_mask[r, start : start + n] = 1
+            spans[i] = (r, start, n)
+            start += n
+        # the padding tail counts as one more sequence, so it never joins the last sample's attention
+        position_ids[r, start:] = torch.arange(width - start)
+    return {
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        "attention_mask": None if packing else attention_mask,
+        "loss_mask": loss_mask,
+        "sample_index": sample_index,
+        "spans": spans,
+        "num_samples": len(samples),
+    }
+
+
+def to_device(batch, device):
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def token_logps(model, batch, return_argmax=False):
+    """Forward a collated batch; returns (logps, outputs[, argmax]) where logps[:, t] is
+    log p(input_ids[:, t] | earlier tokens of its sample) (0 at each sample's first token),
+    aligned with `loss_mask`."""
+    outputs = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+        use_cache=False,  # with the cache on, packed rows are silently attended as one sequence
+    )
+    logits = outputs.logits[:, :-1].float()
+    targets = batch["input_ids"][:, 1:]
+    logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    starts = batch["position_ids"] == 0  # a sample's first token is not predicted from inside the sample
+    logps = F.pad(logps, (1, 0)).masked_fill(starts, 0.0)
+    if return_argmax:
+        return logps, outputs, F.pad(logits.argmax(-1) == targets, (1, 0)) & ~starts
+    return logps, outputs
+
+
+def per_sample_sum(values, batch):
+    """Sum token values (already masked as wanted) per sample, in the order samples were given."""
+    index = batch["sample_index"]
+    keep = index >= 0
+    out = torch.zeros(batch["num_samples"], dtype=values.dtype, device=values.device)
+    return out.index_add(0, index[keep], values[keep])
+
+
+def unpack(values, batch):
+    """Per-sample token tensors, in the order samples were given."""
+    return [values[r, s : s + n] for r, s, n in batch["spans"]]

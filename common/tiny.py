@@ -1,0 +1,187 @@
+"""Tiny offline assets: a byte-level BPE tokenizer with a chat template, tiny Llama / Qwen2 models,
+and synthetic tasks with verifiable answers in every data format the algorithms read.
+
+Everything is built locally and deterministically (fixed seeds), so tests, the demo and the
+benchmarks never touch a model hub.  Build them all with:
+
+    python -m common.tiny --out assets
+"""
+
+import argparse
+import json
+import os
+import random
+
+import torch
+
+SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+LETTERS = "abcdefgh"
+
+# name -> (architecture, hidden, layers, intermediate); head_dim is 64 everywhere (vLLM's CPU
+# attention rejects 16), so heads = hidden / 64.
+MODEL_SIZES = {
+    "llama-0.5m": ("llama", 128, 2, 256),
+    "qwen2-0.5m": ("qwen2", 128, 2, 256),
+    "llama-10m": ("llama", 256, 8, 1024),
+    "qwen2-10m": ("qwen2", 256, 8, 1024),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Synthetic tasks: each maps a random generator to (prompt, answer, wrong_answer)
+# ----------------------------------------------------------------------------------------------
+def reverse_example(rng):
+    """Reverse a spaced string of 3-6 letters: 'reverse: c a d' -> 'd a c'."""
+    letters = [rng.choice(LETTERS) for _ in range(rng.randint(3, 6))]
+    answer = list(reversed(letters))
+    wrong = letters if letters != answer else letters[1:] + letters[:1]
+    return f"reverse: {' '.join(letters)}", " ".join(answer), " ".join(wrong)
+
+
+def add_example(rng):
+    """Add two numbers below 50, digits spaced: 'add: 1 2 + 7' -> '1 9'."""
+    a, b = rng.randint(0, 49), rng.randint(0, 49)
+    wrong = a + b + rng.choice([-2, -1, 1, 2, 10])
+    wrong = wrong if wrong >= 0 else a + b + 1
+    spaced = lambda n: " ".join(str(n))  # noqa: E731
+    return f"add: {spaced(a)} + {spaced(b)}", spaced(a + b), spaced(wrong)
+
+
+TASKS = {"reverse": reverse_example, "add": add_example}
+
+
+def task_rows(task, n, seed, exclude=()):
+    """n distinct (prompt, answer, wrong) triples of `task`, skipping prompts in `exclude`."""
+    rng, seen, rows = random.Random(seed), set(exclude), []
+    for _ in range(100 * n):
+        prompt, answer, wrong = TASKS[task](rng)
+        if prompt not in seen:
+            seen.add(prompt)
+            rows.append((prompt, answer, wrong))
+        if len(rows) == n:
+            return rows
+    raise ValueError(f"task {task!r} has fewer than {n} distinct prompts")
+
+
+def write_jsonl(path, rows):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def write_task_data(out_dir, task, n_train=2000, n_test=200, seed=0):
+    """Write `task` in every format: sft, multiturn, pref, unpaired, rl, pretrain (train/test)."""
+    test = task_rows(task, n_test, seed + 1)
+    train = task_rows(task, n_train, seed, exclude={p for p, _, _ in test})
+    rng = random.Random(seed + 2)
+    for split, rows in (("train", train), ("test", test)):
+        d = os.path.join(out_dir, task)
+        write_jsonl(f"{d}/sft_{split}.jsonl", [{"prompt": p, "response": a} for p, a, _ in rows])
+        write_jsonl(f"{d}/pref_{split}.jsonl", [{"prompt": p, "chosen": a, "rejected": w} for p, a, w in rows])
+        write_jsonl(
+            f"{d}/unpaired_{split}.jsonl",
+            [{"prompt": p, "completion": a if i % 2 == 0 else w, "label": i % 2 == 0} for i, (p, a, w) in enumerate(rows)],
+        )
+        write_jsonl(f"{d}/rl_{split}.jsonl", [{"prompt": p, "answer": a} for p, a, _ in rows])
+        write_jsonl(f"{d}/pretrain_{split}.jsonl", [{"text": f"{p} = {a}"} for p, a, _ in rows])
+        turns = []
+        for i in range(0, len(rows) - 1, 2):
+            (p1, a1, _), (p2, a2, _) = rows[i], rows[i + 1]
+            turns.append({"messages": [
+                {"role": "user", "content": p1}, {"role": "assistant", "content": a1},
+                {"role": "user", "content": p2}, {"role": "assistant", "content": a2},
+            ]})
+        rng.shuffle(turns)
+        write_jsonl(f"{d}/multiturn_{split}.jsonl", turns)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer and models
+# ----------------------------------------------------------------------------------------------
+def build_tokenizer(vocab_size=512):
+    """Byte-level BPE trained on text from all tasks, wrapped as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = []
+    for task in sorted(TASKS):
+        for prompt, answer, _ in task_rows(task, 1000, seed=123):
+            corpus.append(f"<|user|>\n{prompt}<|end|>\n<|assistant|>\n{answer}<|end|>\n")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>", chat_template=CHAT_TEMPLATE,
+        model_max_length=512,
+    )
+
+
+def build_model(name, tokenizer, seed=0):
+    """A randomly initialised tiny causal LM (deterministic for a seed)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    arch, hidden, layers, inter = MODEL_SIZES[name]
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    config = config_cls(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, head_dim=64,
+        max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+
+
+def build_assets(out_dir, models=tuple(MODEL_SIZES), tasks=tuple(TASKS)):
+    """Write models (out_dir/<name>) and data (out_dir/data/<task>/...); skip what exists."""
+    tokenizer = build_tokenizer()
+    for name in models:
+        path = os.path.join(out_dir, name)
+        if not os.path.exists(os.path.join(path, "config.json")):
+            build_model(name, tokenizer).save_pretrained(path)
+            tokenizer.save_pretrained(path)
+    for task in tasks:
+        if not os.path.exists(os.path.join(out_dir, "data", task, "rl_test.jsonl")):
+            write_task_data(os.path.join(out_dir, "data"), task)
+    return out_dir
+
+
+# ----------------------------------------------------------------------------------------------
+# Verification: exact-match accuracy of greedy answers
+# ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def exact_match(model, tokenizer, rows, max_new_tokens=16, batch_size=64):
+    """Fraction of rows {"prompt", "response"} whose greedy chat answer equals the response."""
+    model.eval()
+    tokenizer.padding_side = "left"
+    correct = 0
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i : i + batch_size]
+        texts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False, add_generation_prompt=True)
+            for r in chunk
+        ]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        answers = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+        correct += sum(a.strip() == r["response"] for a, r in zip(answers, chunk))
+    return correct / len(rows)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Build the tiny offline models, tokenizer and synthetic data.")
+    parser.add_argument("--out", default="assets", help="output folder")
+    parser.add_argument("--models", default=",".join(MODEL_SIZES), help=f"comma list of {list(MODEL_SIZES)}")
+    args = parser.parse_args()
+    build_assets(args.out, models=args.models.split(","))
+    print(f"assets written to {args.out}")
