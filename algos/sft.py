@@ -10,6 +10,7 @@ ranks), so gradient accumulation and the number of ranks do not change it.  A pl
 algos/sft.py` is a world of one.
 """
 
+import inspect
 import os
 import sys
 import time
@@ -19,7 +20,10 @@ import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.data import BadRow, DataArgs, format_prompt, format_response, get_field, load_tokenizer, prepare_dataset, validate_data_args  # noqa: E402
+from common.data import (  # noqa: E402
+    BadRow, DataArgs, format_prompt, format_response, get_field, load_tokenizer, prepare_dataset, tokenizer_fingerprint,
+    validate_data_args,
+)
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_train_engine, deepspeed_config, device,
     init_distributed, is_rank0, load_causal_lm, load_checkpoint, save_checkpoint, save_hf_model, set_seed,
@@ -154,14 +158,16 @@ def main(args: Args):
     tokenizer = load_tokenizer(args.model.pretrain, args.data)
 
     # rank 0 tokenizes first and fills the datasets cache; the others then read it
+    row_fn, columns = (lambda r: sft_row(r, tokenizer, args)), ("input_ids", "loss_mask")
+    cache_key = [inspect.getsource(sft_row), repr(args.data), args.output_key, args.multiturn, args.pretrain_mode,
+                 tokenizer_fingerprint(tokenizer)]
     for turn in ("first", "rest"):
         if (turn == "first") == is_rank0():
-            train_ds = prepare_dataset(args.data.dataset, args.data.dataset_split, lambda r: sft_row(r, tokenizer, args),
-                                       ("input_ids", "loss_mask"), args.data, probs=args.data.dataset_probs,
-                                       seed=args.train.seed, max_samples=args.data.max_samples)
+            train_ds = prepare_dataset(args.data.dataset, args.data.dataset_split, row_fn, columns, args.data, cache_key,
+                                       probs=args.data.dataset_probs, seed=args.train.seed,
+                                       max_samples=args.data.max_samples)
             eval_ds = args.data.eval_dataset and prepare_dataset(
-                args.data.eval_dataset, args.data.eval_split, lambda r: sft_row(r, tokenizer, args),
-                ("input_ids", "loss_mask"), args.data)
+                args.data.eval_dataset, args.data.eval_split, row_fn, columns, args.data, cache_key)
         torch.distributed.barrier()
 
     batch_size, micro = args.train.train_batch_size, args.train.micro_train_batch_size
@@ -236,4 +242,8 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    try:
+        parsed = parse_args()
+    except ValueError as e:  # argument mistakes: say what to fix, before any model is loaded
+        sys.exit(f"error: {e}")
+    main(parsed)

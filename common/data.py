@@ -137,10 +137,16 @@ def get_field(row, key, kind=str):
     return value
 
 
-def prepare_dataset(specs, split, row_fn: Callable, columns, args: DataArgs, probs=None, seed=0, max_samples=None):
+def prepare_dataset(specs, split, row_fn: Callable, columns, args: DataArgs, cache_key, probs=None, seed=0,
+                    max_samples=None):
     """Load each spec, run `row_fn(row) -> dict of columns` over it in parallel workers, stop with the
-    first bad row (file, row, reason) or skip and count them, then mix or concatenate."""
+    first bad row (file, row, reason) or skip and count them, then mix or concatenate.
+
+    Results are cached by `datasets` under a fingerprint of the raw data and `cache_key`, which must
+    change whenever the row function's output would (pass its source, tokenizer and options).
+    """
     import datasets
+    from datasets.fingerprint import Hasher
 
     def safe_row_fn(row, index):
         try:
@@ -158,6 +164,7 @@ def prepare_dataset(specs, split, row_fn: Callable, columns, args: DataArgs, pro
             safe_row_fn, with_indices=True, remove_columns=raw.column_names,
             num_proc=args.preprocess_num_workers if args.preprocess_num_workers > 1 else None,
             desc=f"Preparing {os.path.basename(spec)}",
+            new_fingerprint=Hasher.hash([raw._fingerprint, cache_key, columns, args.max_len]),
         )
         errors = [e for e in ds["_error"] if e]
         if errors and not args.skip_bad_rows:
@@ -192,3 +199,10 @@ def load_tokenizer(path, args: DataArgs):
         raise ValueError(f"--apply_chat_template: the tokenizer of {path} has no chat template; "
                          "give one with --tokenizer_chat_template")
     return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer):
+    """What a cache of tokenized data depends on: vocabulary, merges, special tokens, chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return [backend.to_str() if backend is not None else tokenizer.name_or_path, len(tokenizer),
+            tokenizer.chat_template, tokenizer.eos_token, tokenizer.pad_token]

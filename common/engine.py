@@ -12,6 +12,7 @@ import random
 import re
 import shutil
 import socket
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -132,6 +133,8 @@ def init_distributed():
 
     if dist.is_initialized():
         return
+    # ZeRO-3 calls deprecated collectives on every gather; one warning per call floods the log
+    warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).*is deprecated")
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -386,7 +389,7 @@ def save_hf_model(engine, tokenizer, save_path, merge_lora=False, base_path=None
             from peft import PeftModel
             from transformers import AutoModelForCausalLM
 
-            base = AutoModelForCausalLM.from_pretrained(base_path, dtype=next(iter(state_dict.values())).dtype)
+            base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
             merged = PeftModel.from_pretrained(base, out).merge_and_unload()
             if extra_config:
                 for key, value in extra_config.items():
