@@ -26,7 +26,7 @@ from common.data import (  # noqa: E402
 )
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_train_engine, deepspeed_config, device,
-    init_distributed, is_rank0, load_causal_lm, load_checkpoint, save_checkpoint, save_hf_model, set_seed,
+    init_distributed, is_rank0, load_causal_lm, load_checkpoint, optimizer_step, save_checkpoint, save_hf_model, set_seed,
     validate_common_args, world_size_from_env,
 )
 from common.packing import collate, to_device, token_logps  # noqa: E402
@@ -210,16 +210,13 @@ def main(args: Args):
             if args.model.aux_loss_coef > 0:
                 loss = loss + args.model.aux_loss_coef * outputs.aux_loss
             engine.backward(loss)
-            engine.step()
+            grad_norm = optimizer_step(engine)
             step_nll += nll.item()
 
         global_step = step + 1
         (step_nll,) = all_reduce_sum([step_nll])
         metrics = {"train/loss": step_nll / step_tokens, "train/lr": engine.get_lr()[0], "train/epoch": epoch,
-                   "perf/tokens_per_s": step_tokens / (time.time() - t0)}
-        grad_norm = engine.get_global_grad_norm()
-        if grad_norm is not None:
-            metrics["train/grad_norm"] = float(grad_norm)
+                   "perf/tokens_per_s": step_tokens / (time.time() - t0), "train/grad_norm": grad_norm}
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
         end_of_epoch = global_step % steps_per_epoch == 0
         if eval_ds and ((args.log.eval_steps > 0 and global_step % args.log.eval_steps == 0)

@@ -95,8 +95,14 @@ def load_one(spec, split):
             raise ValueError(f"dataset {spec}: no split {split!r}: {e}") from None
         raise ValueError(f"dataset {spec}: {e}") from None
     except Exception as e:
+        causes, cause = [], e
+        while cause is not None and len(causes) < 4:  # datasets keeps the parse error in the cause chain
+            causes.append(f"{type(cause).__name__}: {cause}")
+            cause = cause.__cause__ or cause.__context__
+        if os.path.exists(spec) or ("@" in spec and os.path.isdir(spec.split("@", 1)[1])):
+            raise ValueError(f"dataset {spec} could not be loaded: {' <- '.join(causes)}") from None
         raise ValueError(f"dataset {spec} could not be loaded (not a local file or folder, and not reachable "
-                         f"as a hub dataset): {type(e).__name__}: {e}") from None
+                         f"as a hub dataset): {' <- '.join(causes)}") from None
 
 
 def format_prompt(prompt, tokenizer, args: DataArgs):

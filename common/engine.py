@@ -293,6 +293,20 @@ def create_train_engine(model, train: TrainArgs, ds_config, num_training_steps):
     return engine
 
 
+def optimizer_step(engine):
+    """engine.step(); at an accumulation boundary returns the global gradient norm (before
+    clipping), which DeepSpeed keeps for ZeRO 1-3 and which is computed here for ZeRO-0."""
+    boundary = engine.is_gradient_accumulation_boundary()
+    norm = None
+    if boundary and engine.zero_optimization_stage() == 0:  # gradients are all-reduced by now
+        grads = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
+        norm = torch.stack(grads).norm().item() if grads else 0.0
+    engine.step()
+    if boundary and engine.get_global_grad_norm() is not None:
+        norm = float(engine.get_global_grad_norm())
+    return norm
+
+
 def create_eval_engine(model, ds_config):
     """A frozen model under DeepSpeed inference (ZeRO-3 partitioned when the config says so)."""
     import deepspeed

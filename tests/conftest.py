@@ -1,0 +1,50 @@
+"""Shared test rig: tiny assets built once per session, and a runner for the real scripts."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory):
+    """Tiny models (llama-0.5m, qwen2-0.5m) and synthetic data, built deterministically offline."""
+    from common.tiny import build_assets
+
+    return build_assets(str(tmp_path_factory.mktemp("assets")), models=("llama-0.5m", "qwen2-0.5m"))
+
+
+def load_algo(name):
+    """Import algos/<name>.py as a module (algos/ is a folder of scripts, not a package)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "algos", f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # tyro and inspect look classes up by module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def run_script(script, args, nproc=1, timeout=600, expect_ok=True):
+    """Run algos/<script> through its real CLI (torchrun for nproc > 1); returns the completed process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline"}
+    path = os.path.join(ROOT, "algos", script)
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), path]
+    else:
+        cmd = [sys.executable, path]
+    proc = subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,61 @@
+"""Packing: bin-packing, and packed rows giving the same logits and log-probs as padded rows."""
+
+import random
+
+import pytest
+import torch
+
+from common.packing import collate, pack_sequences, per_sample_sum, token_logps, unpack
+
+
+def test_pack_sequences_is_first_fit_decreasing():
+    lengths = [7, 5, 5, 4, 3, 3, 2, 1]  # 30 tokens: FFD fills 3 rows of 10 exactly
+    rows = pack_sequences(lengths, 10)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert [sum(lengths[i] for i in row) for row in rows] == [10, 10, 10]
+    # plain concatenation in order would need 4 rows: [7], [5, 5], [4, 3, 3], [2, 1]
+    with pytest.raises(ValueError, match="sample 0 has 7 tokens, more than the row limit 6"):
+        pack_sequences(lengths, 6)
+
+
+def test_collate_layout_and_unpack():
+    samples = [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8, 9], "loss_mask": [1, 1]}]
+    packed = collate(samples, pad_token_id=0, packing=True, max_tokens=8)
+    assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    assert packed["attention_mask"] is None
+    assert packed["loss_mask"].tolist() == [[0, 1, 1, 0, 1]]  # a sample's first token is never a target
+    padded = collate(samples, pad_token_id=0, packing=False)
+    assert padded["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]]
+    assert padded["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    values = torch.arange(5.0).view(1, 5)
+    assert [v.tolist() for v in unpack(values, packed)] == [[0.0, 1.0, 2.0], [3.0, 4.0]]
+    assert per_sample_sum(values * packed["loss_mask"], packed).tolist() == [3.0, 4.0]
+
+
+@pytest.mark.parametrize("name", ["llama-0.5m", "qwen2-0.5m"])
+def test_packed_equals_padded(assets, name):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(f"{assets}/{name}", attn_implementation="sdpa").eval()
+    rng = random.Random(0)
+    samples = []
+    for _ in range(11):
+        n = rng.randint(3, 60)
+        samples.append({"input_ids": [rng.randrange(5, 290) for _ in range(n)], "loss_mask": [1] * n})
+    with torch.no_grad():
+        packed = collate(samples, 0, packing=True, max_tokens=80)
+        padded = collate(samples, 0, packing=False)
+        assert packed["input_ids"].numel() < padded["input_ids"].numel()
+        packed_logps, packed_out = token_logps(model, packed)
+        padded_logps, padded_out = token_logps(model, padded)
+    logit_diff = max(
+        (packed_out.logits[r1, s1 : s1 + n] - padded_out.logits[r2, s2 : s2 + n]).abs().max().item()
+        for (r1, s1, n), (r2, s2, _) in zip(packed["spans"], padded["spans"])
+    )
+    logp_diff = max((a - b).abs().max().item() for a, b in zip(unpack(packed_logps, packed), unpack(padded_logps, padded)))
+    assert logit_diff <= 1e-4 and logp_diff <= 1e-4, (logit_diff, logp_diff)
+    # the log-probs are real: equal to a plain forward of each sample alone
+    alone = model(input_ids=torch.tensor([samples[3]["input_ids"]]), use_cache=False).logits[0, :-1].log_softmax(-1)
+    expected = alone.gather(-1, torch.tensor(samples[3]["input_ids"][1:]).unsqueeze(-1)).squeeze(-1)
+    assert (unpack(packed_logps, packed)[3][1:] - expected).abs().max().item() <= 1e-4

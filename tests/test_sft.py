@@ -1,0 +1,208 @@
+"""algos/sft.py through its real CLI: learning under ZeRO-2/3, loss normalisation across
+accumulation and ranks, resume, LoRA / QLoRA, and argument errors."""
+
+import glob
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from conftest import ROOT, load_algo, read_jsonl, run_script
+from safetensors.torch import load_file
+
+from common.data import DataArgs
+from common.packing import collate, token_logps
+
+TASK = ["--input_key", "prompt", "--output_key", "response", "--apply_chat_template", "--max_len", "64"]
+
+
+def weights(path):
+    return {k: v for f in sorted(glob.glob(f"{path}/*.safetensors")) for k, v in load_file(f).items()}
+
+
+def max_weight_diff(a, b):
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+def rows(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_sft_learns_and_exports(assets, tmp_path, zero_stage):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.tiny import exact_match
+
+    data = f"{assets}/data/reverse"
+    out, metrics_file, tb = tmp_path / "model", tmp_path / "metrics.jsonl", tmp_path / "tb"
+    run_script("sft.py", [
+        "--pretrain", f"{assets}/llama-0.5m", "--dataset", f"{data}/sft_train.jsonl", "--eval_dataset",
+        f"{data}/sft_test.jsonl", *TASK, "--train_batch_size", 32, "--micro_train_batch_size", 8, "--max_epochs", 2,
+        "--learning_rate", 3e-3, "--zero_stage", zero_stage, "--save_path", out, "--metrics_file", metrics_file,
+        "--use_tensorboard", tb, "--use_wandb", "--wandb_run_name", f"z{zero_stage}",
+    ], nproc=2)
+    metrics = read_jsonl(metrics_file)
+    assert len([m for m in metrics if "train/loss" in m]) == 124  # 2000 // 32 steps x 2 epochs
+    first, last = metrics[0]["train/loss"], metrics[-1]["train/loss"]
+    assert first > 3.0 and last < 0.1, (first, last)
+    assert glob.glob(f"{tb}/events.out.tfevents.*")
+    assert glob.glob(f"{ROOT}/wandb/offline-run-*") or glob.glob(f"{ROOT}/wandb/*/run-*.wandb")
+
+    # the export reloads with AutoModelForCausalLM and reproduces the trainer's final eval loss
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    sft = load_algo("sft")
+    args = sft.Args(data=DataArgs(input_key="prompt", apply_chat_template=True, max_len=64), output_key="response")
+    samples = [sft.sft_row(r, tokenizer, args) for r in rows(f"{data}/sft_test.jsonl")]
+    with torch.no_grad():
+        batch = collate(samples, tokenizer.pad_token_id, packing=True, max_tokens=64)
+        logps, _ = token_logps(model, batch)
+    hf_loss = -(logps * batch["loss_mask"]).sum().item() / batch["loss_mask"].sum().item()
+    assert abs(hf_loss - metrics[-1]["eval/loss"]) <= 1e-5, (hf_loss, metrics[-1]["eval/loss"])
+
+    # held-out exact match of greedy answers: 0 before training, >= 0.9 after (measured 1.0)
+    test_rows = rows(f"{data}/sft_test.jsonl")
+    assert exact_match(model, tokenizer, test_rows) >= 0.9
+    base = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m")
+    assert exact_match(base, tokenizer, test_rows[:64]) == 0.0
+
+
+def test_loss_normalisation_across_accumulation_and_ranks(assets, tmp_path):
+    """One optimizer step over 8 samples of different lengths: micro 8, micro 1 x 8 accumulation
+    steps and 2 ranks x micro 2 x 2 steps give the same loss, gradient norm and weights, and the
+    gradient is that of the token mean over all 8 samples.  (Adam's first step is lr * sign(g) where
+    |g| >> eps, so lr 1e-4 keeps float-summation noise on near-zero gradients below 1e-5.)"""
+    data = f"{assets}/data/reverse/sft_train.jsonl"
+    common = ["--pretrain", f"{assets}/llama-0.5m", "--dataset", data, *TASK, "--max_samples", 8,
+              "--train_batch_size", 8, "--learning_rate", 1e-4, "--max_norm", 0, "--seed", 1]
+    results = {}
+    for name, nproc, micro, zero in [("micro8", 1, 8, 0), ("micro1x8", 1, 1, 0), ("ranks2", 2, 2, 2), ("zero3", 2, 4, 3)]:
+        out = tmp_path / name
+        run_script("sft.py", [*common, "--micro_train_batch_size", micro, "--zero_stage", zero, "--save_path", out,
+                              "--metrics_file", tmp_path / f"{name}.jsonl"], nproc=nproc)
+        (m,) = read_jsonl(tmp_path / f"{name}.jsonl")
+        results[name] = (m["train/loss"], m["train/grad_norm"], out)
+
+    # reference: the token-mean loss over the same 8 samples, in one plain forward / backward
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sft = load_algo("sft")
+    tokenizer = AutoTokenizer.from_pretrained(f"{assets}/llama-0.5m")
+    args = sft.Args(data=DataArgs(input_key="prompt", apply_chat_template=True, max_len=64), output_key="response")
+    order = torch.randperm(8, generator=torch.Generator().manual_seed(1)).tolist()
+    samples = [sft.sft_row(rows(data)[i], tokenizer, args) for i in order]
+    assert len({len(s["input_ids"]) for s in samples}) > 1  # lengths differ, so normalisation matters
+    model = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m", attn_implementation="sdpa")
+    batch = collate(samples, tokenizer.pad_token_id, packing=False)
+    logps, _ = token_logps(model, batch)
+    loss = -(logps * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+    loss.backward()
+    grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())).item()
+
+    ref_loss, ref_norm, ref_out = results["micro8"]
+    assert abs(ref_loss - loss.item()) <= 1e-5 and abs(ref_norm - grad_norm) <= 1e-5 * grad_norm, (ref_loss, ref_norm, loss.item(), grad_norm)
+    for name, (l, n, out) in results.items():
+        assert abs(l - ref_loss) <= 1e-5, (name, l, ref_loss)
+        assert abs(n - ref_norm) <= 1e-5 * ref_norm, (name, n, ref_norm)
+        assert max_weight_diff(out, ref_out) <= 1e-5, name
+
+
+def test_resume_reproduces_uninterrupted_run(assets, tmp_path):
+    data = f"{assets}/data/reverse/sft_train.jsonl"
+    common = ["--pretrain", f"{assets}/llama-0.5m", "--dataset", data, *TASK, "--max_samples", 128,
+              "--train_batch_size", 16, "--micro_train_batch_size", 4, "--learning_rate", 3e-3, "--save_steps", 2,
+              "--max_ckpt_num", 3]
+    full = tmp_path / "full_ckpt"
+    run_script("sft.py", [*common, "--ckpt_path", full, "--save_path", tmp_path / "full", "--metrics_file",
+                          tmp_path / "full.jsonl"], nproc=2)
+    assert sorted(os.listdir(full)) == ["global_step4", "global_step6", "global_step8", "latest"]  # rotation keeps 3
+
+    # crash after step 4: `latest` names step 4, and a half-written step-6 save is left behind
+    resumed = tmp_path / "resumed_ckpt"
+    shutil.copytree(full, resumed)
+    shutil.rmtree(resumed / "global_step8")
+    shutil.rmtree(resumed / "global_step6")
+    (resumed / "global_step6").mkdir()
+    (resumed / "global_step6" / "partial").write_text("interrupted")
+    (resumed / "latest").write_text("global_step4")
+    proc = run_script("sft.py", [*common, "--ckpt_path", resumed, "--load_checkpoint", "--save_path",
+                                 tmp_path / "resumed", "--metrics_file", tmp_path / "resumed.jsonl"], nproc=2)
+    assert "resumed from" in proc.stdout + proc.stderr
+    full_losses = {m["step"]: m["train/loss"] for m in read_jsonl(tmp_path / "full.jsonl")}
+    resumed_losses = {m["step"]: m["train/loss"] for m in read_jsonl(tmp_path / "resumed.jsonl")}
+    assert sorted(resumed_losses) == [5, 6, 7, 8]
+    for step, loss in resumed_losses.items():
+        assert abs(loss - full_losses[step]) <= 1e-6, (step, loss, full_losses[step])
+    assert max_weight_diff(tmp_path / "resumed", tmp_path / "full") <= 1e-6
+
+
+def test_lora_merged_export_equals_base_plus_adapter(assets, tmp_path):
+    data = f"{assets}/data/reverse/sft_train.jsonl"
+    out = tmp_path / "lora"
+    run_script("sft.py", [
+        "--pretrain", f"{assets}/llama-0.5m", "--dataset", data, *TASK, "--max_samples", 320, "--train_batch_size",
+        32, "--micro_train_batch_size", 8, "--learning_rate", 1e-2, "--lora_rank", 8, "--lora_alpha", 16,
+        "--merge_lora", "--save_path", out, "--metrics_file", tmp_path / "m.jsonl",
+    ], nproc=2)
+    losses = [m["train/loss"] for m in read_jsonl(tmp_path / "m.jsonl")]
+    assert losses[-1] < 0.8 * losses[0], losses
+    base, merged, adapter = weights(f"{assets}/llama-0.5m"), weights(out), weights(out / "adapter")
+    assert merged.keys() == base.keys()
+    checked = 0
+    for key, w in base.items():
+        a_key = "base_model.model." + key.replace(".weight", ".lora_A.weight")
+        if a_key in adapter:
+            b = adapter[a_key.replace("lora_A", "lora_B")]
+            expected = w + (16 / 8) * b @ adapter[a_key]
+            assert (merged[key] - expected).abs().max().item() <= 1e-5, key
+            assert (merged[key] - w).abs().max().item() > 1e-4, key  # the adapter did train
+            checked += 1
+        else:
+            assert torch.equal(merged[key], w), key  # LoRA leaves every other weight alone
+    assert checked == 2 * 7  # q, k, v, o, gate, up, down in each of the 2 layers
+
+
+def test_qlora_step_trains(assets, tmp_path):
+    data = f"{assets}/data/reverse/sft_train.jsonl"
+    out = tmp_path / "qlora"
+    run_script("sft.py", [
+        "--pretrain", f"{assets}/llama-0.5m", "--dataset", data, *TASK, "--max_samples", 16, "--train_batch_size", 8,
+        "--micro_train_batch_size", 8, "--learning_rate", 1e-2, "--lora_rank", 4, "--load_in_4bit", "--zero_stage",
+        0, "--save_path", out, "--metrics_file", tmp_path / "m.jsonl",
+    ])
+    losses = [m["train/loss"] for m in read_jsonl(tmp_path / "m.jsonl")]
+    assert len(losses) == 2 and all(l == l and l > 0 for l in losses)
+    adapter = weights(out)
+    lora_b = [v for k, v in adapter.items() if "lora_B" in k]
+    assert lora_b and all(v.abs().max().item() > 0 for v in lora_b)  # B starts at zero: a step moved it
+
+
+def test_argument_errors_before_model_load(assets, monkeypatch):
+    sft = load_algo("sft")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="--train_batch_size 10 must be a multiple of --micro_train_batch_size 4 x world size 2"):
+        sft.parse_args(["--train_batch_size", "10", "--micro_train_batch_size", "4"])
+    with pytest.raises(ValueError, match="--dataset_probs has 1 values but --dataset names 2"):
+        sft.parse_args(["--dataset", "a.jsonl,b.jsonl", "--dataset_probs", "1.0"])
+    with pytest.raises(ValueError, match="--multiturn needs --apply_chat_template"):
+        sft.parse_args(["--multiturn"])
+    with pytest.raises(ValueError, match="--load_in_4bit"):
+        sft.parse_args(["--load_in_4bit"])
+    monkeypatch.delenv("WORLD_SIZE")
+    # through the CLI: a clear message, and no model was loaded
+    proc = run_script("sft.py", ["--pretrain", f"{assets}/llama-0.5m", "--dataset", "missing/train.jsonl", *TASK],
+                      expect_ok=False)
+    assert proc.returncode != 0
+    assert "no such file: missing/train.jsonl" in proc.stderr
+    assert "Loading weights" not in proc.stderr + proc.stdout
+    bad = os.path.join(assets, "bad.jsonl")
+    with open(bad, "w") as f:
+        f.write(json.dumps({"prompt": "reverse: a b", "response": "b a"}) + "\n" + json.dumps({"prompt": "reverse: c"}) + "\n")
+    proc = run_script("sft.py", ["--pretrain", f"{assets}/llama-0.5m", "--dataset", bad, *TASK], expect_ok=False)
+    assert f"{bad}: 1 bad row(s) of 2; first: row 1: missing field 'response'" in proc.stderr
+    assert "Loading weights" not in proc.stderr + proc.stdout
