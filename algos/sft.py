@@ -223,7 +223,7 @@ def main(args: Args):
                         or (args.log.eval_steps <= 0 and end_of_epoch)):
             metrics.update(evaluate(engine, eval_ds, args, pad_id))
             if is_rank0():
-                print(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/")))
+                bar.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith(("eval/", "train/loss"))))
         if global_step % args.log.logging_steps == 0 or "eval/loss" in metrics:
             logger.log(metrics, global_step)
         if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):

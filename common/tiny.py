@@ -136,7 +136,7 @@ def build_model(name, tokenizer, seed=0):
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
         num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64, head_dim=64,
         max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, torch_dtype="float32",
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
     )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
@@ -178,10 +178,31 @@ def exact_match(model, tokenizer, rows, max_new_tokens=16, batch_size=64):
     return correct / len(rows)
 
 
+def report(model_path, data_file, n=200, show=3):
+    """Print the exact-match accuracy of `model_path` on a sft_*.jsonl file, and a few answers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with open(data_file) as f:
+        rows = [json.loads(line) for line in f][:n]
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_path), AutoTokenizer.from_pretrained(model_path)
+    print(f"{model_path}: exact match {exact_match(model, tokenizer, rows):.3f} on {len(rows)} held-out prompts")
+    for row in rows[:show]:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        out = model.generate(**ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        answer = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        print(f"  {row['prompt']!r} -> {answer!r} (expected {row['response']!r})")
+
+
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Build the tiny offline models, tokenizer and synthetic data.")
+    parser = argparse.ArgumentParser(description="Build the tiny offline models, tokenizer and synthetic data, "
+                                                 "or report a model's exact-match accuracy on a task.")
     parser.add_argument("--out", default="assets", help="output folder")
     parser.add_argument("--models", default=",".join(MODEL_SIZES), help=f"comma list of {list(MODEL_SIZES)}")
+    parser.add_argument("--report", nargs=2, metavar=("MODEL", "SFT_JSONL"), help="print exact match instead of building")
     args = parser.parse_args()
-    build_assets(args.out, models=args.models.split(","))
-    print(f"assets written to {args.out}")
+    if args.report:
+        report(*args.report)
+    else:
+        build_assets(args.out, models=args.models.split(","))
+        print(f"assets written to {args.out}")
