@@ -31,9 +31,9 @@ def load_algo(name):
     return sys.modules[name]
 
 
-def run_script(script, args, nproc=1, timeout=600, expect_ok=True):
+def run_script(script, args, nproc=1, timeout=600, expect_ok=True, env=None):
     """Run algos/<script> through its real CLI (torchrun for nproc > 1); returns the completed process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline", **(env or {})}
     path = os.path.join(ROOT, "algos", script)
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), path]
