@@ -115,13 +115,13 @@ def batches_of(ds, indices, micro):
 # Evaluation: loss and next-token accuracy over the response tokens of the held-out set
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(engine, eval_ds, args, pad_id):
+def evaluate(engine, eval_ds, args, pad_id, flash):
     engine.eval()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     nll = tokens = correct = 0.0
     mine = range(rank, len(eval_ds), world)
     for samples in progress(batches_of(eval_ds, mine, args.train.micro_train_batch_size), is_rank0(), desc="eval", leave=False):
-        batch = to_device(make_batch(samples, args, pad_id), device())
+        batch = to_device(make_batch(samples, args, pad_id, flash), device())
         logps, _, hits = token_logps(engine, batch, return_argmax=True)
         mask = batch["loss_mask"]
         nll -= (logps * mask).sum().item()
@@ -132,20 +132,10 @@ def evaluate(engine, eval_ds, args, pad_id):
     return {"eval/loss": nll / max(tokens, 1), "eval/token_accuracy": correct / max(tokens, 1)}
 
 
-def make_batch(samples, args, pad_id):
-    one_row = args.model.attn_implementation == "flash_attention_2" or (
-        args.model.attn_implementation is None and torch.cuda.is_available() and _has_flash_attn())
+def make_batch(samples, args, pad_id, flash):
+    """Packed rows (all in one row for flash-attention's varlen kernel), or padded rows."""
     return collate(samples, pad_id, packing=args.packing_samples, max_tokens=args.pack_max_tokens or args.data.max_len,
-                   one_row=args.packing_samples and one_row)
-
-
-def _has_flash_attn():
-    try:
-        import flash_attn  # noqa: F401
-
-        return True
-    except ImportError:
-        return False
+                   one_row=args.packing_samples and flash)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,12 +170,15 @@ def main(args: Args):
     ds_config = deepspeed_config(args.train, world)
     model = load_causal_lm(args.model, ds_config)
     engine = create_train_engine(model, args.train, ds_config, total_steps)
+    flash = model.config._attn_implementation.startswith("flash")
     start_step = 0
     if args.ckpt.load_checkpoint:
         state = load_checkpoint(engine, args.ckpt.ckpt_path)
         if state is not None:
             start_step = state["global_step"]
-            print(f"[rank {rank}] resumed from {args.ckpt.ckpt_path} at step {start_step}")
+        if is_rank0():
+            print(f"resumed from {args.ckpt.ckpt_path} at step {start_step}" if state else
+                  f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
     logger = MetricsLogger(args.log, asdict(args), is_rank0())
     pad_id = tokenizer.pad_token_id
 
@@ -197,31 +190,34 @@ def main(args: Args):
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
         per_rank = batch_size // world
         local = step_indices[rank * per_rank : (rank + 1) * per_rank]
-        micro_batches = [to_device(make_batch(s, args, pad_id), device()) for s in batches_of(train_ds, local, micro)]
+        micro_batches = [to_device(make_batch(s, args, pad_id, flash), device()) for s in batches_of(train_ds, local, micro)]
 
         # normaliser: loss tokens of the whole optimizer step, over every micro-batch and rank
         (step_tokens,) = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in micro_batches)])
-        step_nll = 0.0
+        step_nll = step_aux = 0.0
         for batch in micro_batches:
             logps, outputs = token_logps(engine, batch)
             nll = -(logps * batch["loss_mask"]).sum()
             # DeepSpeed divides by the accumulation steps and averages over ranks; undo both
             loss = nll * (gas * world) / step_tokens
-            if args.model.aux_loss_coef > 0:
+            if args.model.aux_loss_coef > 0:  # MoE load balancing, averaged like DeepSpeed averages it
                 loss = loss + args.model.aux_loss_coef * outputs.aux_loss
+                step_aux += outputs.aux_loss.item() / (gas * world)
             engine.backward(loss)
             grad_norm = optimizer_step(engine)
             step_nll += nll.item()
 
         global_step = step + 1
-        (step_nll,) = all_reduce_sum([step_nll])
+        step_nll, step_aux = all_reduce_sum([step_nll, step_aux])
         metrics = {"train/loss": step_nll / step_tokens, "train/lr": engine.get_lr()[0], "train/epoch": epoch,
                    "perf/tokens_per_s": step_tokens / (time.time() - t0), "train/grad_norm": grad_norm}
+        if args.model.aux_loss_coef > 0:
+            metrics["train/aux_loss"] = step_aux
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
         end_of_epoch = global_step % steps_per_epoch == 0
         if eval_ds and ((args.log.eval_steps > 0 and global_step % args.log.eval_steps == 0)
                         or (args.log.eval_steps <= 0 and end_of_epoch)):
-            metrics.update(evaluate(engine, eval_ds, args, pad_id))
+            metrics.update(evaluate(engine, eval_ds, args, pad_id, flash))
             if is_rank0():
                 bar.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith(("eval/", "train/loss"))))
         if global_step % args.log.logging_steps == 0 or "eval/loss" in metrics:

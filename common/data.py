@@ -9,13 +9,15 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import tyro
+
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
 
 @dataclass
 class DataArgs:
-    dataset: str = "assets/data/reverse/sft_train.jsonl"
-    """Comma list of datasets: local json/jsonl/csv/parquet/arrow files or folders, save_to_disk folders, `type@dir`, or hub names."""
+    dataset: str = tyro.MISSING
+    """(Required) comma list of datasets: local json/jsonl/csv/parquet/arrow files or folders, save_to_disk folders, `type@dir`, or hub names."""
     dataset_probs: Optional[str] = None
     """Comma list of mixing probabilities, one per dataset (default: concatenate)."""
     dataset_split: str = "train"

@@ -5,8 +5,6 @@ Plain functions over three small option groups (ModelArgs, TrainArgs, CkptArgs) 
 training script nests into its own `Args`.
 """
 
-import glob
-import json
 import os
 import random
 import re
@@ -19,6 +17,7 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+import tyro
 
 
 # ----------------------------------------------------------------------------------------------
@@ -26,8 +25,8 @@ import torch.distributed as dist
 # ----------------------------------------------------------------------------------------------
 @dataclass
 class ModelArgs:
-    pretrain: str = "assets/llama-0.5m"
-    """Hugging Face model directory (or hub name) to start from."""
+    pretrain: str = tyro.MISSING
+    """Hugging Face model directory (or hub name) to start from (required)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     attn_implementation: Optional[str] = None
@@ -170,30 +169,45 @@ def all_reduce_sum(values):
 # ----------------------------------------------------------------------------------------------
 # DeepSpeed config and model loading
 # ----------------------------------------------------------------------------------------------
-def deepspeed_config(train: TrainArgs, world_size, micro_batch=None, train_mode=True):
-    """DeepSpeed config dict: bf16 on CUDA, fp32 on CPU; eval engines get no optimizer sections."""
-    micro = micro_batch or train.micro_train_batch_size
+def deepspeed_config(train: TrainArgs, world_size):
+    """DeepSpeed training config: bf16 on CUDA, fp32 on CPU, batch sizes checked against the world."""
     zero = {"stage": train.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
     if train.zero_stage == 3:
         zero.update(stage3_param_persistence_threshold=1e4, stage3_prefetch_bucket_size=5e7)
-    if train_mode and train.adam_offload:
+    if train.adam_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if train.param_offload:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    config = {
-        "train_micro_batch_size_per_gpu": micro,
+    return {
+        "train_micro_batch_size_per_gpu": train.micro_train_batch_size,
+        "gradient_accumulation_steps": accumulation_steps(train.train_batch_size, train.micro_train_batch_size, world_size),
+        "train_batch_size": train.train_batch_size,
+        "gradient_clipping": train.max_norm,
         "zero_optimization": zero,
         "bf16": {"enabled": torch.cuda.is_available()},
+        "zero_allow_untested_optimizer": True,  # torch AdamW on CPU
+        "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10**12,
         "wall_clock_breakdown": False,
     }
-    if train_mode:
-        gas = accumulation_steps(train.train_batch_size, micro, world_size)
-        config.update(
-            gradient_accumulation_steps=gas, train_batch_size=train.train_batch_size,
-            gradient_clipping=train.max_norm, zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False,
-        )
-    return config
+
+
+def deepspeed_eval_config(train: TrainArgs, world_size, offload=False):
+    """Config for a frozen model (reference, teacher, reward model): ZeRO-3 partitioned when the
+    trainer uses ZeRO-3, else a plain replica; parameters on the CPU with `offload` (ZeRO-3)."""
+    stage = 3 if train.zero_stage == 3 or offload else 0
+    zero = {"stage": stage}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=1e4, stage3_prefetch_bucket_size=5e7)
+    if offload:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_micro_batch_size_per_gpu": train.micro_train_batch_size,
+        "train_batch_size": train.micro_train_batch_size * world_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": torch.cuda.is_available()},
+        "steps_per_print": 10**12,
+    }
 
 
 _HF_DS_CONFIGS = []  # transformers reads ZeRO-3 settings from a live HfDeepSpeedConfig at from_pretrained
@@ -308,7 +322,7 @@ def optimizer_step(engine):
 
 
 def create_eval_engine(model, ds_config):
-    """A frozen model under DeepSpeed inference (ZeRO-3 partitioned when the config says so)."""
+    """A frozen model under DeepSpeed (partitioned / offloaded as `ds_config` says), in eval mode."""
     import deepspeed
 
     model.requires_grad_(False)
@@ -384,7 +398,7 @@ def gathered_state_dict(engine):
     return engine.module.state_dict() if is_rank0() else None
 
 
-def save_hf_model(engine, tokenizer, save_path, merge_lora=False, base_path=None, extra_config=None):
+def save_hf_model(engine, tokenizer, save_path, merge_lora=False, base_path=None):
     """`save_pretrained` the trained model (or its LoRA adapter, or base + adapter merged) and the
     tokenizer, so transformers, vLLM and peft load it with no conversion."""
     state_dict = gathered_state_dict(engine)
@@ -393,10 +407,6 @@ def save_hf_model(engine, tokenizer, save_path, merge_lora=False, base_path=None
         is_peft = hasattr(model, "peft_config")
         out = os.path.join(save_path, "adapter") if is_peft and merge_lora else save_path
         os.makedirs(out, exist_ok=True)
-        if extra_config:
-            target = model.get_base_model().config if is_peft else model.config
-            for key, value in extra_config.items():
-                setattr(target, key, value)
         model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(out)
         if is_peft and merge_lora:
@@ -405,21 +415,7 @@ def save_hf_model(engine, tokenizer, save_path, merge_lora=False, base_path=None
 
             base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
             merged = PeftModel.from_pretrained(base, out).merge_and_unload()
-            if extra_config:
-                for key, value in extra_config.items():
-                    setattr(merged.config, key, value)
             merged.save_pretrained(save_path, safe_serialization=True)
             tokenizer.save_pretrained(save_path)
     if dist.is_initialized():
         dist.barrier()
-
-
-def write_json(path, obj):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-
-
-def list_checkpoints(ckpt_path):
-    """Checkpoint tags in ckpt_path, oldest first."""
-    return sorted((os.path.basename(d) for d in glob.glob(os.path.join(ckpt_path, "global_step*"))), key=_step_of)

@@ -21,6 +21,18 @@ def assets(tmp_path_factory):
     return build_assets(str(tmp_path_factory.mktemp("assets")), models=("llama-0.5m", "qwen2-0.5m"))
 
 
+@pytest.fixture(scope="session")
+def sft_model(assets, tmp_path_factory):
+    """The tiny Llama after one epoch of SFT on string reversal (the start point of RM / DPO / KTO tests)."""
+    out = tmp_path_factory.mktemp("sft_model")
+    run_script("sft.py", [
+        "--pretrain", f"{assets}/llama-0.5m", "--dataset", f"{assets}/data/reverse/sft_train.jsonl",
+        "--input_key", "prompt", "--output_key", "response", "--apply_chat_template", "--max_len", 64,
+        "--train_batch_size", 32, "--micro_train_batch_size", 16, "--learning_rate", 3e-3, "--save_path", out,
+    ])
+    return str(out)
+
+
 def load_algo(name):
     """Import algos/<name>.py as a module (algos/ is a folder of scripts, not a package)."""
     if name not in sys.modules:

@@ -59,3 +59,27 @@ def test_packed_equals_padded(assets, name):
     alone = model(input_ids=torch.tensor([samples[3]["input_ids"]]), use_cache=False).logits[0, :-1].log_softmax(-1)
     expected = alone.gather(-1, torch.tensor(samples[3]["input_ids"][1:]).unsqueeze(-1)).squeeze(-1)
     assert (unpack(packed_logps, packed)[3][1:] - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attention's varlen kernel needs CUDA")
+def test_flash_attention_one_row_packing_equals_padded_sdpa(assets):
+    """On CUDA, packing puts every sample in one row for flash_attn_varlen_func; bf16 tolerance."""
+    pytest.importorskip("flash_attn")
+    from transformers import AutoModelForCausalLM
+
+    def load(attn):
+        return AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m", attn_implementation=attn,
+                                                    dtype=torch.bfloat16).cuda().eval()
+
+    rng = random.Random(1)
+    samples = [{"input_ids": [rng.randrange(5, 290) for _ in range(n)], "loss_mask": [1] * n}
+               for n in (rng.randint(3, 200) for _ in range(16))]
+    with torch.no_grad():
+        packed = {k: v.cuda() if torch.is_tensor(v) else v for k, v in collate(samples, 0, one_row=True).items()}
+        padded = {k: v.cuda() if torch.is_tensor(v) else v for k, v in collate(samples, 0, packing=False).items()}
+        flash_logps, _ = token_logps(load("flash_attention_2"), packed)
+        sdpa_logps, _ = token_logps(load("sdpa"), padded)
+    assert packed["input_ids"].shape[0] == 1
+    diff = max((a - b).abs().max().item() for a, b in zip(unpack(flash_logps, packed), unpack(sdpa_logps, padded)))
+    assert diff <= 5e-2, diff

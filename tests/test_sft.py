@@ -188,17 +188,57 @@ def test_qlora_step_trains(assets, tmp_path):
     assert lora_b and all(v.abs().max().item() > 0 for v in lora_b)  # B starts at zero: a step moved it
 
 
+def test_moe_aux_loss_under_zero3(assets, tmp_path):
+    """A tiny Mixtral (4 experts) under ZeRO-3 with the router loss: it is logged, and training learns."""
+    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(f"{assets}/llama-0.5m")
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2, head_dim=64, num_local_experts=4,
+                           num_experts_per_tok=2, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    MixtralForCausalLM(config).save_pretrained(tmp_path / "moe")
+    tokenizer.save_pretrained(tmp_path / "moe")
+    run_script("sft.py", [
+        "--pretrain", tmp_path / "moe", "--dataset", f"{assets}/data/reverse/sft_train.jsonl", *TASK, "--max_samples",
+        256, "--train_batch_size", 32, "--micro_train_batch_size", 8, "--learning_rate", 3e-3, "--zero_stage", 3,
+        "--aux_loss_coef", 0.01, "--save_path", tmp_path / "out", "--metrics_file", tmp_path / "m.jsonl",
+    ], nproc=2)
+    metrics = read_jsonl(tmp_path / "m.jsonl")
+    assert len(metrics) == 8
+    # Switch-style balance loss: num_experts x sum(fraction x probability), about top_k (2) when balanced
+    assert all(1.5 < m["train/aux_loss"] < 4.0 for m in metrics), [m["train/aux_loss"] for m in metrics]
+    assert metrics[-1]["train/loss"] < 0.7 * metrics[0]["train/loss"]
+
+
+@pytest.mark.parametrize("mode", ["multiturn", "pretrain_mode"])
+def test_multiturn_and_pretrain_modes_learn(assets, tmp_path, mode):
+    data = f"{assets}/data/reverse"
+    flags = (["--multiturn", "--apply_chat_template", "--input_key", "messages", "--dataset", f"{data}/multiturn_train.jsonl"]
+             if mode == "multiturn" else ["--pretrain_mode", "--input_key", "text", "--dataset", f"{data}/pretrain_train.jsonl"])
+    run_script("sft.py", [
+        "--pretrain", f"{assets}/llama-0.5m", *flags, "--max_len", 128, "--max_samples", 512, "--train_batch_size", 32,
+        "--micro_train_batch_size", 16, "--learning_rate", 3e-3, "--save_path", tmp_path / "out", "--metrics_file",
+        tmp_path / "m.jsonl",
+    ])
+    losses = [m["train/loss"] for m in read_jsonl(tmp_path / "m.jsonl")]
+    assert len(losses) == 16 and losses[-1] < 0.5 * losses[0], losses
+
+
 def test_argument_errors_before_model_load(assets, monkeypatch):
     sft = load_algo("sft")
+    required = ["--pretrain", "some/model", "--dataset", "a.jsonl"]
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="--train_batch_size 10 must be a multiple of --micro_train_batch_size 4 x world size 2"):
-        sft.parse_args(["--train_batch_size", "10", "--micro_train_batch_size", "4"])
+        sft.parse_args([*required, "--train_batch_size", "10", "--micro_train_batch_size", "4"])
     with pytest.raises(ValueError, match="--dataset_probs has 1 values but --dataset names 2"):
-        sft.parse_args(["--dataset", "a.jsonl,b.jsonl", "--dataset_probs", "1.0"])
+        sft.parse_args([*required, "--dataset", "a.jsonl,b.jsonl", "--dataset_probs", "1.0"])
     with pytest.raises(ValueError, match="--multiturn needs --apply_chat_template"):
-        sft.parse_args(["--multiturn"])
+        sft.parse_args([*required, "--multiturn"])
     with pytest.raises(ValueError, match="--load_in_4bit"):
-        sft.parse_args(["--load_in_4bit"])
+        sft.parse_args([*required, "--load_in_4bit"])
+    with pytest.raises(SystemExit):  # tyro: --pretrain and --dataset are required
+        sft.parse_args(["--train_batch_size", "8"])
     monkeypatch.delenv("WORLD_SIZE")
     # through the CLI: a clear message, and no model was loaded
     proc = run_script("sft.py", ["--pretrain", f"{assets}/llama-0.5m", "--dataset", "missing/train.jsonl", *TASK],

@@ -1,0 +1,121 @@
+"""Reward scoring shared by algos/rm.py (training and evaluation), RL and generation.
+
+A reward model is a Hugging Face `AutoModelForSequenceClassification` with `num_labels=1`; the
+reward of a sequence is its value-head output at the sequence's last non-pad token, the token
+Hugging Face's own pooling reads, so a model saved by rm.py gives the same reward here, in rm.py and
+in plain `transformers`. Batches may be packed (see common/packing.py): the value head is read at
+each sample's own last token rather than at the end of each row.
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from common.reward import score
+
+    rm = AutoModelForSequenceClassification.from_pretrained("outputs/rm").eval()
+    rewards = score(rm, texts, AutoTokenizer.from_pretrained("outputs/rm"), normalize=True)
+"""
+
+import torch
+import torch.distributed as dist
+
+from common.packing import collate, to_device
+
+
+def unwrap(model):
+    """The Hugging Face model inside a DeepSpeed engine and / or a peft wrapper."""
+    model = getattr(model, "module", model)  # DeepSpeed engine
+    return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+
+
+def reward_index(batch, pad_token_id):
+    """Flat index (row x width + column) of each sample's last token that is not `pad_token_id`
+    (its first token if all are padding), in the order samples were given: Hugging Face's rule for
+    sequence classification, applied per sample so that it also holds in packed rows."""
+    ids, index = batch["input_ids"], batch["sample_index"]
+    width = ids.shape[1]
+    positions = torch.arange(ids.numel(), device=ids.device).view_as(ids)
+    real = index >= 0
+    if pad_token_id is not None:
+        real &= ids != pad_token_id
+    starts = torch.tensor([r * width + s for r, s, _ in batch["spans"]], device=ids.device)
+    return starts.scatter_reduce(0, index[real], positions[real], reduce="amax")
+
+
+def sequence_rewards(model, batch, value_head_prefix="score"):
+    """Reward of each sample of a collated batch (packed or padded), float32, shape (num_samples,).
+
+    `model` is a sequence-classification model, bare or inside a DeepSpeed engine (training or
+    eval, any ZeRO stage) or a peft wrapper. The model's own forward runs (so DeepSpeed's hooks and
+    Hugging Face's packing detection work as usual); the per-token values are taken from the value
+    head named `value_head_prefix` as it runs, and read at each sample's last non-pad token."""
+    hf_model = unwrap(model)
+    values = []
+    handle = getattr(hf_model, value_head_prefix).register_forward_hook(lambda module, args, out: values.append(out))
+    try:
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+              use_cache=False)  # with the cache on, packed rows are silently attended as one sequence
+    finally:
+        handle.remove()
+    flat = values[0].squeeze(-1).flatten()
+    return flat[reward_index(batch, hf_model.config.pad_token_id)].float()
+
+
+def lockstep_forwards(model, num_local):
+    """How many forward passes this rank must make to run `num_local` batches: under ZeRO-3 every
+    forward gathers the weights collectively, so each rank makes as many as the busiest rank (the
+    extra ones on a dummy batch); otherwise just `num_local`."""
+    if not (dist.is_initialized() and hasattr(model, "zero_optimization_stage") and model.zero_optimization_stage() == 3):
+        return num_local
+    count = torch.tensor([num_local], device=next(unwrap(model).parameters()).device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
+
+
+@torch.no_grad()
+def score(models, sequences, tokenizer=None, normalize=False, weights=None, batch_size=16, max_tokens=None,
+          add_special_tokens=False, value_head_prefix="score"):
+    """Score sequences with one or several reward models: one float per sequence (a float32 CPU tensor).
+
+    models: a reward model or a list of them: `AutoModelForSequenceClassification` (num_labels=1) as
+        loaded by transformers, or inside a DeepSpeed engine (common.engine.create_eval_engine with
+        common.engine.deepspeed_eval_config: plain replica or ZeRO-3; under ZeRO-3 each rank scores
+        its own sequences and the ranks' forward passes are kept in step). The models must share
+        the tokenizer (the sequences are tokenized once).
+    sequences: texts (tokenized with `tokenizer`, `add_special_tokens` as given: pass the exact text
+        the model was trained on, chat template included) or lists of token ids.
+    normalize: use (reward - config.mean) / config.std, the statistics rm.py stores from its eval set.
+    weights: with several models, the result is sum_k weights[k] x reward_k (default: all 1).
+    batch_size: sequences per forward pass, packed into rows of at most `max_tokens` tokens
+        (default: the longest sequence); one row per batch with flash-attention.
+    """
+    models = list(models) if isinstance(models, (list, tuple)) else [models]
+    weights = [1.0] * len(models) if weights is None else list(weights)
+    if len(weights) != len(models):
+        raise ValueError(f"{len(weights)} weights for {len(models)} reward models")
+    if any(isinstance(s, str) for s in sequences):
+        if tokenizer is None:
+            raise ValueError("scoring texts needs a tokenizer (or pass lists of token ids)")
+        sequences = [tokenizer(s, add_special_tokens=add_special_tokens)["input_ids"] for s in sequences]
+    samples = [{"input_ids": list(ids), "loss_mask": [0] * len(ids)} for ids in sequences]
+    if any(not s["input_ids"] for s in samples):
+        raise ValueError("cannot score an empty sequence")
+    chunks = [samples[i : i + batch_size] for i in range(0, len(samples), batch_size)]
+    total = torch.zeros(len(samples), dtype=torch.float32)
+    for model, weight in zip(models, weights):
+        hf_model = unwrap(model)
+        config, dev = hf_model.config, next(hf_model.parameters()).device
+        pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+        if normalize and (getattr(config, "mean", None) is None or getattr(config, "std", None) is None):
+            raise ValueError(f"normalize=True but the config of {config.name_or_path or 'this model'} has no mean/std "
+                             "(rm.py stores them when trained with --eval_dataset)")
+        flash = config._attn_implementation.startswith("flash")
+        rewards = []
+        for i in range(lockstep_forwards(model, len(chunks))):
+            chunk = chunks[i] if i < len(chunks) else [{"input_ids": [pad_id], "loss_mask": [0]}]  # ZeRO-3 filler
+            width = max_tokens or max(len(s["input_ids"]) for s in chunk)
+            batch = to_device(collate(chunk, pad_id, packing=True, max_tokens=width, one_row=flash), dev)
+            if i < len(chunks):
+                rewards.append(sequence_rewards(model, batch, value_head_prefix).cpu())
+        rewards = torch.cat(rewards) if rewards else total.clone()
+        if normalize:
+            rewards = (rewards - config.mean) / config.std
+        total += weight * rewards
+    return total
