@@ -194,6 +194,7 @@ def main(args: Args):
 
         # normaliser: loss tokens of the whole optimizer step, over every micro-batch and rank
         (step_tokens,) = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in micro_batches)])
+        lr = engine.get_lr()[0]
         step_nll = step_aux = 0.0
         for batch in micro_batches:
             logps, outputs = token_logps(engine, batch)
@@ -209,7 +210,7 @@ def main(args: Args):
 
         global_step = step + 1
         step_nll, step_aux = all_reduce_sum([step_nll, step_aux])
-        metrics = {"train/loss": step_nll / step_tokens, "train/lr": engine.get_lr()[0], "train/epoch": epoch,
+        metrics = {"train/loss": step_nll / step_tokens, "train/lr": lr, "train/epoch": epoch,
                    "perf/tokens_per_s": step_tokens / (time.time() - t0), "train/grad_norm": grad_norm}
         if args.model.aux_loss_coef > 0:
             metrics["train/aux_loss"] = step_aux

@@ -78,18 +78,23 @@ def test_sft_learns_and_exports(assets, tmp_path, zero_stage):
 
 
 def test_loss_normalisation_across_accumulation_and_ranks(assets, tmp_path):
-    """One optimizer step over 8 samples of different lengths: micro 8, micro 1 x 8 accumulation
-    steps and 2 ranks x micro 2 x 2 steps give the same loss, gradient norm and weights, and the
-    gradient is that of the token mean over all 8 samples.  (Adam's first step is lr * sign(g) where
+    """One optimizer step over 8 samples of different lengths gives the same loss, gradient norm and
+    weights with micro 8, micro 1 x 8 accumulation steps, 2 ranks, ZeRO-1/2/3, padded rows, gradient
+    checkpointing, optimizer offload (DeepSpeedCPUAdam) and parameter offload; and the gradient is
+    that of the token mean over all 8 samples.  (Adam's first step is lr * sign(g) where
     |g| >> eps, so lr 1e-4 keeps float-summation noise on near-zero gradients below 1e-5.)"""
     data = f"{assets}/data/reverse/sft_train.jsonl"
     common = ["--pretrain", f"{assets}/llama-0.5m", "--dataset", data, *TASK, "--max_samples", 8,
               "--train_batch_size", 8, "--learning_rate", 1e-4, "--max_norm", 0, "--seed", 1]
     results = {}
-    for name, nproc, micro, zero in [("micro8", 1, 8, 0), ("micro1x8", 1, 1, 0), ("ranks2", 2, 2, 2), ("zero3", 2, 4, 3)]:
+    for name, nproc, micro, zero, extra in [
+        ("micro8", 1, 8, 0, []), ("micro1x8", 1, 1, 0, []), ("ranks2", 2, 2, 2, []), ("zero3", 2, 4, 3, []),
+        ("padded", 1, 4, 1, ["--no_packing_samples"]), ("grad_ckpt", 1, 8, 0, ["--gradient_checkpointing"]),
+        ("adam_offload", 2, 4, 2, ["--adam_offload"]), ("param_offload", 2, 2, 3, ["--param_offload"]),
+    ]:
         out = tmp_path / name
         run_script("sft.py", [*common, "--micro_train_batch_size", micro, "--zero_stage", zero, "--save_path", out,
-                              "--metrics_file", tmp_path / f"{name}.jsonl"], nproc=nproc)
+                              "--metrics_file", tmp_path / f"{name}.jsonl", *extra], nproc=nproc)
         (m,) = read_jsonl(tmp_path / f"{name}.jsonl")
         results[name] = (m["train/loss"], m["train/grad_norm"], out)
 
