@@ -17,7 +17,7 @@ FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "
 @dataclass
 class DataArgs:
     dataset: str = tyro.MISSING
-    """(Required) comma list of datasets: local json/jsonl/csv/parquet/arrow files or folders, save_to_disk folders, `type@dir`, or hub names."""
+    """Comma list of datasets: local json/jsonl/csv/parquet/arrow files or folders, save_to_disk folders, `type@dir`, or hub names."""
     dataset_probs: Optional[str] = None
     """Comma list of mixing probabilities, one per dataset (default: concatenate)."""
     dataset_split: str = "train"

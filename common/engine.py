@@ -82,7 +82,7 @@ class CkptArgs:
     save_path: str = "outputs/model"
     """Final Hugging Face export directory."""
     save_steps: int = -1
-    """Save a resumable DeepSpeed checkpoint every N optimizer steps (-1: only at the end if --ckpt_path)."""
+    """Save a resumable DeepSpeed checkpoint to --ckpt_path every N optimizer steps and at the end (-1: never)."""
     ckpt_path: str = "outputs/checkpoints"
     """Directory of resumable checkpoints."""
     load_checkpoint: bool = False
