@@ -12,7 +12,7 @@ import datetime
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -64,8 +64,6 @@ class EngineArgs:
     """Skip graph capture / compilation (fast start-up; on CPU start-up drops from ~85 s to ~20 s)."""
     seed: int = 42
     """Engine seed."""
-    extra: dict = field(default_factory=dict)
-    """Further keyword arguments for vllm.LLM."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -80,7 +78,7 @@ def create_vllm_engine(model_path, args: EngineArgs):
             model=model_path, tensor_parallel_size=args.tp_size, dtype="bfloat16" if torch.cuda.is_available() else "float32",
             gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_len=args.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager, seed=args.seed,
-            worker_extension_cls="common.vllm_engine.WeightSyncWorker", **args.extra,
+            worker_extension_cls="common.vllm_engine.WeightSyncWorker",
         )
     except Exception as e:
         if "not supported" in str(e).lower() or "architecture" in str(e).lower():

@@ -1,0 +1,279 @@
+"""Batch generation: n samples per prompt with vLLM (or Hugging Face generate), optional scoring
+with reward models from rm.py and / or a Python reward function, and post-processing into new
+training data: best-of-n, rejection sampling (SFT data), conditional SFT (SFT data with the score
+in the prompt) and iterative-DPO pairs (best vs worst, DPO data).
+
+    python algos/generate.py --pretrain outputs/sft --dataset assets/data/reverse/rl_test.jsonl \\
+        --input_key prompt --label_key answer --apply_chat_template --best_of_n 4 \\
+        --reward_func launch/rewards/exact_match.py --post_processor rs --output_path outputs/gen.jsonl
+
+Generations go to --output_path, one JSON line per prompt ({"index", "prompt", "label",
+"responses", "rewards", "finish_reasons"}), appended and flushed every --generate_batch_size
+prompts: re-running the same command skips the prompts already written. The post-processed data
+goes to --processed_path (default: <output_path without .jsonl>.<post_processor>.jsonl) with the
+keys sft.py (`prompt`, `response`) and dpo.py (`prompt`, `chosen`, `rejected`) read.
+"""
+
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+import tyro
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.data import DataArgs, format_prompt, format_response, load_one, load_tokenizer  # noqa: E402
+from common.tracking import progress  # noqa: E402
+from common.vllm_engine import EngineArgs, HFGenerator, SamplingArgs, create_vllm_engine, vllm_generate  # noqa: E402
+
+
+@dataclass
+class Args:
+    pretrain: str = tyro.MISSING
+    """Model to generate with (a Hugging Face directory)."""
+    dataset: str = tyro.MISSING
+    """Prompt dataset (any spec common/data.py loads: file, folder, type@dir, hub name)."""
+    output_path: str = tyro.MISSING
+    """JSONL file of generations; an existing file is resumed, not overwritten."""
+    dataset_split: str = "train"
+    """Split of --dataset."""
+    input_key: str = "input"
+    """Field holding the prompt (a string, or a list of chat messages)."""
+    label_key: Optional[str] = None
+    """Field holding a reference answer, passed to the reward function and kept in the output."""
+    apply_chat_template: bool = False
+    """Format prompts with the tokenizer's chat template."""
+    input_template: Optional[str] = None
+    """Plain prompt template with one '{}' for the prompt (no chat template)."""
+    tokenizer_chat_template: Optional[str] = None
+    """A Jinja chat template that replaces the tokenizer's own."""
+    max_samples: int = 100_000_000
+    """Use at most this many prompts."""
+    iter: Optional[int] = None
+    """Iteration k of a loop: use only prompts [k x rollout_batch_size, (k + 1) x rollout_batch_size)."""
+    rollout_batch_size: int = 512
+    """Prompts per --iter slice."""
+    generate_batch_size: int = 64
+    """Prompts per generation call; the output is flushed after each (the resume granularity)."""
+    backend: Literal["vllm", "hf"] = "vllm"
+    """vLLM engine, or Hugging Face generate (for architectures vLLM lacks, and debugging)."""
+    best_of_n: int = 1
+    """Samples per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature (0: greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Sample from the k most likely tokens (-1: all)."""
+    max_new_tokens: int = 64
+    """Longest response in tokens."""
+    engine: EngineArgs = field(default_factory=EngineArgs)
+    reward_pretrain: Optional[str] = None
+    """Comma list of reward models (rm.py exports) to score with; their rewards are summed."""
+    normalize_reward: bool = False
+    """Normalise each reward model's output with the mean/std rm.py stored in its config."""
+    reward_func: Optional[str] = None
+    """A Python file defining reward_func(queries, prompts, labels) -> one float per query (added to RM rewards)."""
+    post_processor: Literal["none", "best_of_n", "rs", "csft", "iter_dpo"] = "none"
+    """best_of_n: best response per prompt; rs: best per prompt if its reward >= --reward_threshold (SFT data);
+    csft: every response, prompt prefixed with its normalised reward (SFT data); iter_dpo: best vs worst (DPO data)."""
+    reward_threshold: Optional[float] = None
+    """rs: keep a prompt's best response only if its reward is at least this."""
+    reward_template: str = "<rm_score>: {reward:.2f} {prompt}"
+    """csft: how the normalised reward is written into the prompt."""
+    processed_path: Optional[str] = None
+    """Where the post-processed data goes (default: derived from --output_path)."""
+
+
+def parse_args(argv=None):
+    args = tyro.cli(Args, args=argv, config=(tyro.conf.OmitArgPrefixes,), use_underscores=True, description=__doc__)
+    if args.best_of_n < 1:
+        raise ValueError(f"--best_of_n must be >= 1, got {args.best_of_n}")
+    if args.post_processor != "none" and not (args.reward_pretrain or args.reward_func):
+        raise ValueError(f"--post_processor {args.post_processor} needs rewards: give --reward_pretrain and/or --reward_func")
+    if args.post_processor == "iter_dpo" and args.best_of_n < 2:
+        raise ValueError("--post_processor iter_dpo needs --best_of_n >= 2 (best and worst of several samples)")
+    if args.reward_threshold is not None and args.post_processor != "rs":
+        raise ValueError("--reward_threshold applies to --post_processor rs only")
+    if args.reward_func:
+        load_reward_func(args.reward_func)  # fail now, not after generating
+    if args.input_template is not None and "{}" not in args.input_template:
+        raise ValueError(f"--input_template must contain '{{}}', got {args.input_template!r}")
+    if args.processed_path is None and args.post_processor != "none":
+        args.processed_path = f"{os.path.splitext(args.output_path)[0]}.{args.post_processor}.jsonl"
+    return args
+
+
+def load_reward_func(path):
+    """The `reward_func` of a Python file, checked to exist and be callable."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--reward_func {path}: no such file")
+    spec = importlib.util.spec_from_file_location("user_reward_func", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "reward_func", None)):
+        raise ValueError(f"--reward_func {path} defines no function reward_func(queries, prompts, labels)")
+    return module.reward_func
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts, resume
+# ----------------------------------------------------------------------------------------------
+def load_prompts(args, tokenizer, data_args):
+    raw = load_one(args.dataset, args.dataset_split)
+    indices = range(min(len(raw), args.max_samples))
+    if args.iter is not None:
+        indices = indices[args.iter * args.rollout_batch_size : (args.iter + 1) * args.rollout_batch_size]
+    if len(indices) == 0:
+        raise ValueError(f"{args.dataset}: no prompts to generate from (rows {len(raw)}, --max_samples "
+                         f"{args.max_samples}, --iter {args.iter}, --rollout_batch_size {args.rollout_batch_size})")
+    prompts = []
+    for i in indices:
+        row = raw[i]
+        if args.input_key not in row or row[args.input_key] in (None, "", []):
+            raise ValueError(f"{args.dataset}: row {i}: missing or empty field {args.input_key!r}")
+        if args.label_key and args.label_key not in row:
+            raise ValueError(f"{args.dataset}: row {i}: missing field {args.label_key!r} (--label_key)")
+        text = format_prompt(row[args.input_key], tokenizer, data_args)
+        prompts.append({"index": i, "prompt": row[args.input_key], "prompt_text": text,
+                        "label": row[args.label_key] if args.label_key else None})
+    return prompts
+
+
+def read_done(path):
+    """Rows already written (a torn last line from a crash is dropped and the file truncated)."""
+    if not os.path.exists(path):
+        return []
+    rows, good_bytes = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+                good_bytes += len(line)
+            except json.JSONDecodeError:
+                break
+    with open(path, "r+b") as f:
+        f.truncate(good_bytes)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Rewards
+# ----------------------------------------------------------------------------------------------
+def compute_rewards(args, chunk, responses, reward_models, rm_tokenizer, data_args, reward_func):
+    """One float per response: the sum of the reward models' scores and the reward function."""
+    prompts = [p["prompt_text"] for p in chunk for _ in range(args.best_of_n)]
+    total = torch.zeros(len(prompts))
+    if reward_models:  # the RM reads the text as rm.py trained it: templated prompt + templated response
+        from common.reward import score
+
+        texts = [p["prompt_text"] + format_response(p["prompt"], r, rm_tokenizer, data_args)
+                 for p, rs in zip(chunk, responses) for r in rs]
+        total += score(reward_models, texts, rm_tokenizer, normalize=args.normalize_reward)
+    if reward_func:
+        queries = [p["prompt_text"] + r for p, rs in zip(chunk, responses) for r in rs]
+        labels = [p["label"] for p in chunk for _ in range(args.best_of_n)]
+        out = torch.as_tensor(reward_func(queries, prompts, labels), dtype=torch.float32).flatten()
+        if out.numel() != len(queries):
+            raise ValueError(f"--reward_func returned {out.numel()} rewards for {len(queries)} queries")
+        total += out
+    return total.view(len(chunk), args.best_of_n).tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# Post-processing (forkers edit this)
+# ----------------------------------------------------------------------------------------------
+def post_process(args, rows):
+    out = []
+    if args.post_processor in ("best_of_n", "rs"):
+        for row in rows:
+            best = max(range(len(row["rewards"])), key=lambda k: row["rewards"][k])
+            if args.post_processor == "rs" and args.reward_threshold is not None and row["rewards"][best] < args.reward_threshold:
+                continue
+            out.append({"prompt": row["prompt"], "response": row["responses"][best], "reward": row["rewards"][best],
+                        "label": row["label"]})
+    elif args.post_processor == "csft":
+        flat = torch.tensor([r for row in rows for r in row["rewards"]])
+        mean, std = flat.mean().item(), max(flat.std().item() if flat.numel() > 1 else 0.0, 1e-6)
+        for row in rows:
+            for response, reward in zip(row["responses"], row["rewards"]):
+                prompt = args.reward_template.format(reward=(reward - mean) / std, prompt=row["prompt"])
+                out.append({"prompt": prompt, "response": response, "reward": reward})
+    elif args.post_processor == "iter_dpo":
+        for row in rows:
+            best = max(range(len(row["rewards"])), key=lambda k: row["rewards"][k])
+            worst = min(range(len(row["rewards"])), key=lambda k: row["rewards"][k])
+            if row["rewards"][best] > row["rewards"][worst] and row["responses"][best] != row["responses"][worst]:
+                out.append({"prompt": row["prompt"], "chosen": row["responses"][best],
+                            "rejected": row["responses"][worst], "margin": row["rewards"][best] - row["rewards"][worst]})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------
+def main(args: Args):
+    data_args = DataArgs(dataset=args.dataset, input_key=args.input_key, apply_chat_template=args.apply_chat_template,
+                         input_template=args.input_template, tokenizer_chat_template=args.tokenizer_chat_template)
+    tokenizer = load_tokenizer(args.pretrain, data_args)
+    sampling = SamplingArgs(n=args.best_of_n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_new_tokens=args.max_new_tokens, seed=args.engine.seed)
+    prompts = load_prompts(args, tokenizer, data_args)
+    done = {row["index"] for row in read_done(args.output_path)}
+    todo = [p for p in prompts if p["index"] not in done]
+    print(f"{len(prompts)} prompts, {len(prompts) - len(todo)} already in {args.output_path}, {len(todo)} to generate")
+
+    reward_func = load_reward_func(args.reward_func) if args.reward_func else None
+    reward_models, rm_tokenizer = [], None
+    if args.reward_pretrain:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        paths = [p for p in args.reward_pretrain.split(",") if p]
+        reward_models = [AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
+        rm_tokenizer = AutoTokenizer.from_pretrained(paths[0])
+    if todo:
+        if args.backend == "vllm":
+            engine = create_vllm_engine(args.pretrain, args.engine)
+            generate = lambda ids: vllm_generate(engine, ids, sampling)  # noqa: E731
+        else:
+            from transformers import AutoModelForCausalLM
+
+            hf = HFGenerator(AutoModelForCausalLM.from_pretrained(args.pretrain).eval(), tokenizer)
+            generate = lambda ids: hf.generate(ids, sampling)  # noqa: E731
+    os.makedirs(os.path.dirname(os.path.abspath(args.output_path)), exist_ok=True)
+    chunks = [todo[i : i + args.generate_batch_size] for i in range(0, len(todo), args.generate_batch_size)]
+    for chunk in progress(chunks, desc="generate"):
+        ids = [tokenizer(p["prompt_text"], add_special_tokens=not args.apply_chat_template)["input_ids"] for p in chunk]
+        samples = generate(ids)
+        responses = [[s.text for s in per_prompt] for per_prompt in samples]
+        rewards = (compute_rewards(args, chunk, responses, reward_models, rm_tokenizer, data_args, reward_func)
+                   if reward_models or reward_func else [[None] * args.best_of_n for _ in chunk])
+        with open(args.output_path, "a") as f:
+            for p, per_prompt, resp, rew in zip(chunk, samples, responses, rewards):
+                f.write(json.dumps({"index": p["index"], "prompt": p["prompt"], "label": p["label"], "responses": resp,
+                                    "rewards": rew, "finish_reasons": [s.finish_reason for s in per_prompt]}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    rows = read_done(args.output_path)
+    if args.post_processor != "none":
+        processed = post_process(args, rows)
+        with open(args.processed_path, "w") as f:
+            for row in processed:
+                f.write(json.dumps(row) + "\n")
+        print(f"{args.post_processor}: {len(processed)} rows from {len(rows)} prompts -> {args.processed_path}")
+    scored = [r for row in rows for r in row["rewards"] if r is not None]
+    if scored:
+        best = [max(row["rewards"]) for row in rows]
+        print(f"reward: mean {sum(scored) / len(scored):.4f}, best-of-{args.best_of_n} mean {sum(best) / len(best):.4f}")
+
+
+if __name__ == "__main__":
+    try:
+        parsed = parse_args()
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    main(parsed)
