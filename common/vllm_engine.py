@@ -54,8 +54,8 @@ class SamplingArgs:
 class EngineArgs:
     tp_size: int = 1
     """Tensor-parallel size of each vLLM engine."""
-    vllm_gpu_memory_utilization: float = 0.5
-    """Share of device memory vLLM reserves (on CPU: of RAM; keep <= 0.2 there)."""
+    vllm_gpu_memory_utilization: Optional[float] = None
+    """Share of device memory vLLM reserves (default 0.9 on CUDA; on CPU it is a share of RAM: default 0.1)."""
     max_model_len: int = 1024
     """Longest prompt + completion an engine serves."""
     enable_prefix_caching: bool = True
@@ -76,7 +76,8 @@ def create_vllm_engine(model_path, args: EngineArgs):
     try:
         return LLM(
             model=model_path, tensor_parallel_size=args.tp_size, dtype="bfloat16" if torch.cuda.is_available() else "float32",
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_len=args.max_model_len,
+            gpu_memory_utilization=args.vllm_gpu_memory_utilization or (0.9 if torch.cuda.is_available() else 0.1),
+            max_model_len=args.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager, seed=args.seed,
             worker_extension_cls="common.vllm_engine.WeightSyncWorker",
         )

@@ -1,0 +1,104 @@
+"""algos/generate.py through its CLI: best-of-n, resume, rejection sampling / conditional SFT data
+that sft.py trains on, iterative-DPO pairs that dpo.py trains on, and bad input."""
+
+import json
+import os
+
+import pytest
+from conftest import ROOT, read_jsonl, run_script
+
+REWARD = os.path.join(ROOT, "launch", "rewards", "exact_match.py")
+
+
+def gen_args(assets, model, out, *extra):
+    return ["--pretrain", model, "--dataset", f"{assets}/data/reverse/rl_test.jsonl", "--input_key", "prompt",
+            "--label_key", "answer", "--apply_chat_template", "--max_new_tokens", 12, "--temperature", 0.5,
+            "--reward_func", REWARD, "--output_path", out, *extra]
+
+
+def test_best_of_n_picks_argmax_and_resume_writes_no_duplicates(assets, sft_model, tmp_path):
+    out = tmp_path / "gen.jsonl"
+    common = gen_args(assets, sft_model, out, "--backend", "hf", "--best_of_n", 4, "--generate_batch_size", 4,
+                      "--post_processor", "best_of_n")
+    run_script("generate.py", [*common, "--max_samples", 8])
+    first = read_jsonl(out)
+    assert [r["index"] for r in first] == list(range(8))
+    # a crash mid-write leaves a torn line: the resumed run drops it and goes on
+    with open(out, "a") as f:
+        f.write('{"index": 8, "prompt": "rev')
+    proc = run_script("generate.py", [*common, "--max_samples", 12])
+    assert "8 already in" in proc.stdout
+    rows = read_jsonl(out)
+    assert [r["index"] for r in rows] == list(range(12)) and rows[:8] == first
+    for row in rows:
+        assert len(row["responses"]) == 4 and len(row["rewards"]) == 4
+        assert all(r == float(resp.strip() == row["label"]) for r, resp in zip(row["rewards"], row["responses"]))
+    best = read_jsonl(tmp_path / "gen.best_of_n.jsonl")
+    assert len(best) == 12
+    for b, row in zip(best, rows):
+        k = max(range(4), key=lambda i: row["rewards"][i])
+        assert b["reward"] == max(row["rewards"]) and b["response"] == row["responses"][k]
+    # the partly trained policy is right sometimes: best-of-4 beats the mean sample
+    assert sum(b["reward"] for b in best) > sum(sum(r["rewards"]) for r in rows) / 4
+
+
+def test_rejection_sampling_and_csft_data_train_with_sft(assets, sft_model, tmp_path):
+    out = tmp_path / "gen.jsonl"
+    proc = run_script("generate.py", gen_args(assets, sft_model, out, "--best_of_n", 4, "--max_samples", 64,
+                                              "--post_processor", "rs", "--reward_threshold", 1.0,
+                                              "--vllm_gpu_memory_utilization", 0.05, "--max_model_len", 128))
+    assert "reward: mean" in proc.stdout
+    rs = read_jsonl(tmp_path / "gen.rs.jsonl")
+    assert 8 <= len(rs) <= 64 and all(r["reward"] == 1.0 and r["response"].strip() == r["label"] for r in rs)
+    sft_common = ["--pretrain", f"{assets}/llama-0.5m", "--input_key", "prompt", "--output_key", "response",
+                  "--apply_chat_template", "--max_len", 128, "--train_batch_size", 4, "--micro_train_batch_size", 4,
+                  "--max_epochs", 4, "--learning_rate", 3e-3]
+    run_script("sft.py", [*sft_common, "--dataset", tmp_path / "gen.rs.jsonl", "--save_path", tmp_path / "sft_rs",
+                          "--metrics_file", tmp_path / "rs.jsonl"])
+    losses = [m["train/loss"] for m in read_jsonl(tmp_path / "rs.jsonl")]
+    assert losses[-1] < 0.7 * losses[0], losses
+
+    # conditional SFT from the same generations (no new sampling: every prompt is already written)
+    proc = run_script("generate.py", gen_args(assets, sft_model, out, "--best_of_n", 4, "--max_samples", 64,
+                                              "--post_processor", "csft"))
+    assert "0 to generate" in proc.stdout
+    csft = read_jsonl(tmp_path / "gen.csft.jsonl")
+    assert len(csft) == 64 * 4
+    rewards = [r["reward"] for r in csft]
+    mean = sum(rewards) / len(rewards)
+    assert all(r["prompt"].startswith("<rm_score>: ") for r in csft)
+    assert any(r["prompt"].startswith("<rm_score>: -") for r in csft if r["reward"] < mean)
+    run_script("sft.py", [*sft_common, "--dataset", tmp_path / "gen.csft.jsonl", "--max_samples", 64,
+                          "--save_path", tmp_path / "sft_csft", "--metrics_file", tmp_path / "csft.jsonl"])
+    losses = [m["train/loss"] for m in read_jsonl(tmp_path / "csft.jsonl")]
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_iterative_dpo_pairs_train_with_dpo(assets, sft_model, tmp_path):
+    out = tmp_path / "gen.jsonl"
+    run_script("generate.py", gen_args(assets, sft_model, out, "--backend", "hf", "--best_of_n", 4, "--max_samples",
+                                       48, "--post_processor", "iter_dpo", "--iter", 1, "--rollout_batch_size", 24))
+    assert [r["index"] for r in read_jsonl(out)] == list(range(24, 48))  # the --iter 1 slice
+    pairs = read_jsonl(tmp_path / "gen.iter_dpo.jsonl")
+    assert pairs and all(p["chosen"].strip() != p["rejected"].strip() and p["margin"] == 1.0 for p in pairs)
+    run_script("dpo.py", ["--pretrain", sft_model, "--dataset", tmp_path / "gen.iter_dpo.jsonl", "--apply_chat_template",
+                          "--max_len", 128, "--train_batch_size", len(pairs) - len(pairs) % 4 or 4,
+                          "--micro_train_batch_size", 4, "--max_epochs", 3, "--learning_rate", 1e-3, "--save_path",
+                          tmp_path / "dpo", "--metrics_file", tmp_path / "dpo.jsonl"])
+    metrics = read_jsonl(tmp_path / "dpo.jsonl")
+    assert metrics[-1]["train/loss"] < metrics[0]["train/loss"]
+
+
+def test_bad_input(assets, sft_model, tmp_path):
+    bad_reward = tmp_path / "reward.py"
+    bad_reward.write_text("def score(queries):\n    return [0.0] * len(queries)\n")
+    proc = run_script("generate.py", gen_args(assets, sft_model, tmp_path / "a.jsonl")[:-4] +
+                      ["--reward_func", bad_reward, "--output_path", tmp_path / "a.jsonl"], expect_ok=False)
+    assert proc.returncode != 0 and "defines no function reward_func(queries, prompts, labels)" in proc.stderr
+    proc = run_script("generate.py", gen_args(assets, sft_model, tmp_path / "b.jsonl", "--backend", "hf", "--iter", 99,
+                                              "--rollout_batch_size", 100), expect_ok=False)
+    assert proc.returncode != 0 and "no prompts to generate from" in proc.stderr
+    proc = run_script("generate.py", gen_args(assets, sft_model, tmp_path / "c.jsonl", "--post_processor", "iter_dpo"),
+                      expect_ok=False)
+    assert "--post_processor iter_dpo needs --best_of_n >= 2" in proc.stderr
+    assert not os.path.exists(tmp_path / "c.jsonl")
