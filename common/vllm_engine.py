@@ -88,6 +88,20 @@ def create_vllm_engine(model_path, args: EngineArgs):
         raise
 
 
+def sleep_engine(llm):
+    """Free the engine's device memory while the trainer runs (CUDA); on CPU vLLM has no sleep mode."""
+    if torch.cuda.is_available():
+        llm.sleep(level=1)
+    else:
+        print("[vllm] sleep skipped: vLLM has no sleep mode on CPU")
+
+
+def wake_engine(llm):
+    """Undo sleep_engine before the next weight sync or generation."""
+    if torch.cuda.is_available():
+        llm.wake_up()
+
+
 def to_sampling_params(sampling: SamplingArgs, logprobs=True):
     from vllm import SamplingParams
 
@@ -188,6 +202,13 @@ class WeightSyncWorker:
                 offset += n
         self.reload_weights(weights_iterator=weights)  # the whole model per reload (per-tensor reloads gave NaNs)
         return len(weights)
+
+    def receive_raw(self, numel, repeats):
+        """For benchmarks/bench_sync.py: receive `repeats` raw float32 broadcasts of `numel` elements."""
+        flat = torch.empty(numel, dtype=torch.float32)
+        for _ in range(repeats):
+            _broadcast_from_0(self._sync_group, flat)
+        return numel
 
 
 def _broadcast_from_0(group, tensor):
