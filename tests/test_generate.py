@@ -102,3 +102,4 @@ def test_bad_input(assets, sft_model, tmp_path):
                       expect_ok=False)
     assert "--post_processor iter_dpo needs --best_of_n >= 2" in proc.stderr
     assert not os.path.exists(tmp_path / "c.jsonl")
+
