@@ -30,7 +30,6 @@ its parameters on the CPU, in the cache pass too).  A plain `python algos/dpo.py
 
 import gc
 import inspect
-import math
 import os
 import sys
 import time
@@ -48,11 +47,11 @@ from common.data import (  # noqa: E402
     validate_data_args,
 )
 from common.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
+    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, create_eval_engine, create_train_engine,
     deepspeed_config, deepspeed_eval_config, device, init_distributed, is_rank0, load_causal_lm, load_checkpoint,
     optimizer_step, save_checkpoint, save_hf_model, set_seed, validate_common_args, world_size_from_env,
 )
-from common.packing import collate, per_sample_sum, to_device, token_logps  # noqa: E402
+from common.packing import collate, per_sample_sum, response_logps, sharded_logps, to_device  # noqa: E402
 from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
 
 
@@ -149,34 +148,6 @@ def make_batch(samples, args, pad_id, flash):
 # ----------------------------------------------------------------------------------------------
 # Log-probs and loss  (forkers edit dpo_loss)
 # ----------------------------------------------------------------------------------------------
-def response_logps(model, batch):
-    """Sum of the response-token log-probs of each sample; returns (sums, model outputs)."""
-    logps, outputs = token_logps(model, batch)
-    return per_sample_sum(logps * batch["loss_mask"], batch), outputs
-
-
-@torch.no_grad()
-def sharded_logps(model, n, samples_of, micro, batch_fn):
-    """Response log-prob sums of items 0..n-1, computed with the items split over the ranks and
-    summed back: shape (n, k) on every rank, where samples_of(items) gives k samples per item,
-    grouped (every item's first sample, then every item's second, ...).  Each rank runs the same
-    number of forwards (a short shard repeats item 0 and drops the result), so ZeRO-3 stays in step."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine = list(range(rank, n, world))
-    padded = mine + [0] * (math.ceil(n / world) - len(mine))
-    out = None
-    for start in range(0, len(padded), micro):
-        chunk, valid = padded[start : start + micro], mine[start : start + micro]
-        sums, _ = response_logps(model, to_device(batch_fn(samples_of(chunk)), device()))
-        sums = sums.view(-1, len(chunk)).T
-        if out is None:
-            out = torch.zeros(n, sums.shape[1], dtype=sums.dtype, device=sums.device)
-        out[valid] = sums[: len(valid)]
-    if dist.is_initialized():
-        dist.all_reduce(out)
-    return out
-
-
 def dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta, ipo=False, label_smoothing=0.0):
     """Per-pair losses and the implicit rewards β·(log π - log π_ref) of chosen and rejected."""
     h = (chosen - ref_chosen) - (rejected - ref_rejected)
@@ -214,9 +185,9 @@ def evaluate(engine, ref, eval_ds, eval_ref, args, batch_fn):
     engine.eval()
     n, micro = len(eval_ds), args.train.micro_train_batch_size
     samples_of = lambda idx: pair_samples(eval_ds, idx)  # noqa: E731
-    policy = sharded_logps(engine, n, samples_of, micro, batch_fn)
+    policy = sharded_logps(engine, n, samples_of, micro, batch_fn, device())
     if eval_ref is None:
-        eval_ref = sharded_logps(ref, n, samples_of, micro, batch_fn)
+        eval_ref = sharded_logps(ref, n, samples_of, micro, batch_fn, device())
     engine.train()
     losses, r_w, r_l = dpo_loss(policy[:, 0], policy[:, 1], eval_ref[:, 0], eval_ref[:, 1], args.beta, args.ipo,
                                 args.label_smoothing)
@@ -247,7 +218,6 @@ def main(args: Args):
         dist.barrier()
 
     batch_size, micro = args.train.train_batch_size, args.train.micro_train_batch_size
-    gas = accumulation_steps(batch_size, micro, world)
     steps_per_epoch = len(train_ds) // batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train_ds)} training pairs is fewer than --train_batch_size {batch_size}")
@@ -264,9 +234,9 @@ def main(args: Args):
     ref_cache = eval_ref_cache = None
     if args.ref_cache:
         t0 = time.time()
-        ref_cache = sharded_logps(ref, len(train_ds), lambda idx: pair_samples(train_ds, idx), micro, batch_fn)
+        ref_cache = sharded_logps(ref, len(train_ds), lambda idx: pair_samples(train_ds, idx), micro, batch_fn, device())
         if eval_ds:
-            eval_ref_cache = sharded_logps(ref, len(eval_ds), lambda idx: pair_samples(eval_ds, idx), micro, batch_fn)
+            eval_ref_cache = sharded_logps(ref, len(eval_ds), lambda idx: pair_samples(eval_ds, idx), micro, batch_fn, device())
         ref.destroy()
         ref = None
         gc.collect()

@@ -36,7 +36,6 @@ beside the policy and runs it on every micro-batch (ZeRO-3 partitioned when trai
 
 import gc
 import inspect
-import math
 import os
 import sys
 import time
@@ -53,11 +52,11 @@ from common.data import (  # noqa: E402
     validate_data_args,
 )
 from common.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
+    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, create_eval_engine, create_train_engine,
     deepspeed_config, deepspeed_eval_config, device, init_distributed, is_rank0, load_causal_lm, load_checkpoint,
     optimizer_step, save_checkpoint, save_hf_model, set_seed, validate_common_args, world_size_from_env,
 )
-from common.packing import collate, per_sample_sum, to_device, token_logps  # noqa: E402
+from common.packing import collate, response_logps, sharded_logps, to_device  # noqa: E402
 from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
 
 
@@ -185,34 +184,6 @@ def make_batch(samples, args, pad_id, flash):
 # ----------------------------------------------------------------------------------------------
 # Log-probs and loss  (forkers edit kto_loss)
 # ----------------------------------------------------------------------------------------------
-def response_logps(model, batch):
-    """Sum of the response-token log-probs of each sample; returns (sums, model outputs)."""
-    logps, outputs = token_logps(model, batch)
-    return per_sample_sum(logps * batch["loss_mask"], batch), outputs
-
-
-@torch.no_grad()
-def sharded_logps(model, n, samples_of, micro, batch_fn):
-    """Response log-prob sums of items 0..n-1, computed with the items split over the ranks and
-    summed back: shape (n, k) on every rank, where samples_of(items) gives k samples per item,
-    grouped (every item's first sample, then every item's second, ...).  Each rank runs the same
-    number of forwards (a short shard repeats item 0 and drops the result), so ZeRO-3 stays in step."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine = list(range(rank, n, world))
-    padded = mine + [0] * (math.ceil(n / world) - len(mine))
-    out = None
-    for start in range(0, len(padded), micro):
-        chunk, valid = padded[start : start + micro], mine[start : start + micro]
-        sums, _ = response_logps(model, to_device(batch_fn(samples_of(chunk)), device()))
-        sums = sums.view(-1, len(chunk)).T
-        if out is None:
-            out = torch.zeros(n, sums.shape[1], dtype=sums.dtype, device=sums.device)
-        out[valid] = sums[: len(valid)]
-    if dist.is_initialized():
-        dist.all_reduce(out)
-    return out
-
-
 def kl_reference_point(kl_logps, ref_kl_logps):
     """z = max(0, mean of log π/π_ref over the mismatched pairs, averaged over the ranks), detached."""
     z = (kl_logps - ref_kl_logps).mean().detach()
@@ -265,9 +236,9 @@ def evaluate(engine, ref, eval_ds, eval_ref, args, batch_fn):
     n, micro = len(eval_ds), args.train.micro_train_batch_size
     items = eval_items(n)
     samples_of = lambda pos: kto_samples(eval_ds, [items[p] for p in pos], args.data.max_len)  # noqa: E731
-    policy = sharded_logps(engine, len(items), samples_of, micro, batch_fn)[:, 0]
+    policy = sharded_logps(engine, len(items), samples_of, micro, batch_fn, device())[:, 0]
     if eval_ref is None:
-        eval_ref = sharded_logps(ref, len(items), samples_of, micro, batch_fn)[:, 0]
+        eval_ref = sharded_logps(ref, len(items), samples_of, micro, batch_fn, device())[:, 0]
     engine.train()
     labels = torch.tensor(eval_ds["label"], device=policy.device)
     z = (policy[n:] - eval_ref[n:]).mean().clamp(min=0)
@@ -307,7 +278,6 @@ def main(args: Args):
         dist.barrier()
 
     batch_size, micro = args.train.train_batch_size, args.train.micro_train_batch_size
-    gas = accumulation_steps(batch_size, micro, world)
     steps_per_epoch = len(train_ds) // batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train_ds)} training examples is fewer than --train_batch_size {batch_size}")
@@ -348,7 +318,7 @@ def main(args: Args):
                                 for idx in local_micro_batches(order, k, r) for p in kl_pairs(idx)])
         items = [(i, i) for i in range(n)] + [p for pairs in epoch_pairs for p in pairs]
         values = sharded_logps(ref, len(items), lambda pos: kto_samples(train_ds, [items[p] for p in pos],
-                                                                        args.data.max_len), micro, batch_fn)[:, 0]
+                                                                        args.data.max_len), micro, batch_fn, device())[:, 0]
         kl_cache, start = torch.zeros(len(epoch_pairs), n, dtype=values.dtype, device=values.device), n
         for epoch, pairs in enumerate(epoch_pairs):  # kl_cache[epoch, i]: prompt i with its partner's completion
             kl_cache[epoch, [i for i, _ in pairs]] = values[start : start + len(pairs)]
@@ -357,7 +327,7 @@ def main(args: Args):
         if eval_ds:
             held_out = eval_items(len(eval_ds))
             eval_ref_cache = sharded_logps(ref, len(held_out), lambda pos: kto_samples(
-                eval_ds, [held_out[p] for p in pos], args.data.max_len), micro, batch_fn)[:, 0]
+                eval_ds, [held_out[p] for p in pos], args.data.max_len), micro, batch_fn, device())[:, 0]
         ref.destroy()
         ref = None
         gc.collect()

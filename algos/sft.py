@@ -29,7 +29,7 @@ from common.engine import (  # noqa: E402
     init_distributed, is_rank0, load_causal_lm, load_checkpoint, optimizer_step, save_checkpoint, save_hf_model, set_seed,
     validate_common_args, world_size_from_env,
 )
-from common.packing import collate, to_device, token_logps  # noqa: E402
+from common.packing import collate, lockstep_shard, per_sample_sum, to_device, token_logps  # noqa: E402
 from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
 
 
@@ -117,16 +117,18 @@ def batches_of(ds, indices, micro):
 @torch.no_grad()
 def evaluate(engine, eval_ds, args, pad_id, flash):
     engine.eval()
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     nll = tokens = correct = 0.0
-    mine = range(rank, len(eval_ds), world)
-    for samples in progress(batches_of(eval_ds, mine, args.train.micro_train_batch_size), is_rank0(), desc="eval", leave=False):
+    mine, padded = lockstep_shard(len(eval_ds))  # equal forward counts per rank keep ZeRO-3 gathers in step
+    micro = args.train.micro_train_batch_size
+    for start in progress(range(0, len(padded), micro), is_rank0(), desc="eval", leave=False):
+        (samples,) = batches_of(eval_ds, padded[start : start + micro], micro)
+        valid = len(mine[start : start + micro])  # the padding repeats item 0: count only real items
         batch = to_device(make_batch(samples, args, pad_id, flash), device())
         logps, _, hits = token_logps(engine, batch, return_argmax=True)
         mask = batch["loss_mask"]
-        nll -= (logps * mask).sum().item()
-        tokens += mask.sum().item()
-        correct += (hits * mask).sum().item()
+        nll -= per_sample_sum(logps * mask, batch)[:valid].sum().item()
+        tokens += per_sample_sum(mask, batch)[:valid].sum().item()
+        correct += per_sample_sum(hits * mask, batch)[:valid].sum().item()
     nll, tokens, correct = all_reduce_sum([nll, tokens, correct])
     engine.train()
     return {"eval/loss": nll / max(tokens, 1), "eval/token_accuracy": correct / max(tokens, 1)}

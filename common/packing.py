@@ -7,7 +7,10 @@ A sample is a dict with `input_ids` (list of ints) and `loss_mask` (list of 0/1:
 is a target whose log-prob counts).
 """
 
+import math
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -107,3 +110,36 @@ def per_sample_sum(values, batch):
 def unpack(values, batch):
     """Per-sample token tensors, in the order samples were given."""
     return [values[r, s : s + n] for r, s, n in batch["spans"]]
+
+
+def response_logps(model, batch):
+    """Sum of the loss-token (response) log-probs of each sample; returns (sums, model outputs)."""
+    logps, outputs = token_logps(model, batch)
+    return per_sample_sum(logps * batch["loss_mask"], batch), outputs
+
+
+def lockstep_shard(n):
+    """This rank's items of 0..n-1 (round robin), padded with item 0 so every rank has the same
+    count: under ZeRO-3 each forward gathers weights collectively, so ranks must run as many."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = list(range(rank, n, world))
+    return mine, mine + [0] * (math.ceil(n / world) - len(mine))
+
+
+@torch.no_grad()
+def sharded_logps(model, n, samples_of, micro, batch_fn, device):
+    """Response log-prob sums of items 0..n-1, computed with the items split over the ranks and
+    summed back: shape (n, k) on every rank, where samples_of(items) gives k samples per item,
+    grouped (every item's first sample, then every item's second, ...)."""
+    mine, padded = lockstep_shard(n)
+    out = None
+    for start in range(0, len(padded), micro):
+        chunk, valid = padded[start : start + micro], mine[start : start + micro]
+        sums, _ = response_logps(model, to_device(batch_fn(samples_of(chunk)), device))
+        sums = sums.view(-1, len(chunk)).T
+        if out is None:
+            out = torch.zeros(n, sums.shape[1], dtype=sums.dtype, device=sums.device)
+        out[valid] = sums[: len(valid)]
+    if dist.is_initialized():
+        dist.all_reduce(out)
+    return out

@@ -1,10 +1,8 @@
 """algos/generate.py through its CLI: best-of-n, resume, rejection sampling / conditional SFT data
 that sft.py trains on, iterative-DPO pairs that dpo.py trains on, and bad input."""
 
-import json
 import os
 
-import pytest
 from conftest import ROOT, read_jsonl, run_script
 
 REWARD = os.path.join(ROOT, "launch", "rewards", "exact_match.py")

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import ROOT, load_algo, read_jsonl, run_script
+from conftest import load_algo, read_jsonl, run_script
 from safetensors.torch import load_file
 
 from common.data import DataArgs
@@ -120,6 +120,31 @@ def test_loss_normalisation_across_accumulation_and_ranks(assets, tmp_path):
         assert abs(l - ref_loss) <= 1e-5, (name, l, ref_loss)
         assert abs(n - ref_norm) <= 1e-5 * ref_norm, (name, n, ref_norm)
         assert max_weight_diff(out, ref_out) <= 1e-5, name
+
+
+def test_zero3_eval_with_uneven_shards(assets, tmp_path):
+    """5 held-out rows on 2 ranks, micro-batch 2: rank 0 has 3 rows (2 forwards), rank 1 has 2 (1);
+    under ZeRO-3 the ranks must still run as many forwards, and the padding must not be counted."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = f"{assets}/data/reverse"
+    eval_file = tmp_path / "eval.jsonl"
+    eval_rows = rows(f"{data}/sft_test.jsonl")[:5]
+    eval_file.write_text("".join(json.dumps(r) + "\n" for r in eval_rows))
+    run_script("sft.py", [
+        "--pretrain", f"{assets}/llama-0.5m", "--dataset", f"{data}/sft_train.jsonl", "--eval_dataset", eval_file, *TASK,
+        "--max_samples", 16, "--train_batch_size", 8, "--micro_train_batch_size", 2, "--zero_stage", 3,
+        "--learning_rate", 1e-3, "--save_path", tmp_path / "out", "--metrics_file", tmp_path / "m.jsonl",
+    ], nproc=2, timeout=300)
+    (last,) = [m for m in read_jsonl(tmp_path / "m.jsonl") if "eval/loss" in m]
+    sft = load_algo("sft")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    args = sft.Args(data=DataArgs(input_key="prompt", apply_chat_template=True, max_len=64), output_key="response")
+    batch = collate([sft.sft_row(r, tokenizer, args) for r in eval_rows], tokenizer.pad_token_id, packing=False)
+    with torch.no_grad():
+        logps, _ = token_logps(AutoModelForCausalLM.from_pretrained(tmp_path / "out"), batch)
+    expected = -(logps * batch["loss_mask"]).sum().item() / batch["loss_mask"].sum().item()
+    assert abs(last["eval/loss"] - expected) <= 1e-5, (last["eval/loss"], expected)
 
 
 def test_resume_reproduces_uninterrupted_run(assets, tmp_path):
