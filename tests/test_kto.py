@@ -122,7 +122,7 @@ def test_cached_reference_equals_live(assets, sft_model):
     micro_batches = [order[k : k + 6] for k in range(0, 48, 6)]
     items = [(i, i) for i in range(48)] + [p for idx in micro_batches for p in kto.kl_pairs(idx)]
     samples_of = lambda pos: kto.kto_samples(ds, [items[p] for p in pos], 64)  # noqa: E731
-    cached = kto.sharded_logps(model, len(items), samples_of, 16, batch_fn)[:, 0]
+    cached = kto.sharded_logps(model, len(items), samples_of, 16, batch_fn, "cpu")[:, 0]
     position = {item: p for p, item in enumerate(items)}
     worst = 0.0
     with torch.no_grad():
