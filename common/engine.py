@@ -266,7 +266,8 @@ def load_causal_lm(model_args: ModelArgs, ds_config=None, path=None, model_cls=N
         targets = model_args.target_modules
         model = get_peft_model(model, LoraConfig(
             r=model_args.lora_rank, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
-            target_modules=targets if targets == "all-linear" else targets.split(","), task_type="CAUSAL_LM",
+            target_modules=targets if targets == "all-linear" else targets.split(","),
+            task_type="SEQ_CLS" if type(model).__name__.endswith("ForSequenceClassification") else "CAUSAL_LM",
         ))
     if model_args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -411,9 +412,10 @@ def save_hf_model(engine, tokenizer, save_path, merge_lora=False, base_path=None
         tokenizer.save_pretrained(out)
         if is_peft and merge_lora:
             from peft import PeftModel
-            from transformers import AutoModelForCausalLM
 
-            base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+            trained = model.get_base_model()  # same class and config (a reward head, its mean / std) as trained
+            base = type(trained).from_pretrained(base_path, config=trained.config,
+                                                 dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
             merged = PeftModel.from_pretrained(base, out).merge_and_unload()
             merged.save_pretrained(save_path, safe_serialization=True)
             tokenizer.save_pretrained(save_path)

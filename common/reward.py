@@ -112,8 +112,9 @@ def score(models, sequences, tokenizer=None, normalize=False, weights=None, batc
             chunk = chunks[i] if i < len(chunks) else [{"input_ids": [pad_id], "loss_mask": [0]}]  # ZeRO-3 filler
             width = max_tokens or max(len(s["input_ids"]) for s in chunk)
             batch = to_device(collate(chunk, pad_id, packing=True, max_tokens=width, one_row=flash), dev)
+            values = sequence_rewards(model, batch, value_head_prefix).cpu()
             if i < len(chunks):
-                rewards.append(sequence_rewards(model, batch, value_head_prefix).cpu())
+                rewards.append(values)
         rewards = torch.cat(rewards) if rewards else total.clone()
         if normalize:
             rewards = (rewards - config.mean) / config.std

@@ -56,34 +56,38 @@ TASKS = {"reverse": reverse_example, "add": add_example}
 STEP_TAG = ";"  # ends each step of the PRM data; one token of the tiny tokenizer, used nowhere else
 
 
-def add_chain_example(rng, wrong_prob=0.4):
-    """Add 3-4 digits step by step: 'add: 3 + 4 + 5' -> '3 + 4 = 7; 7 + 5 = 1 2;'.  Each step's sum is
-    wrong (off by 1 or 2) with `wrong_prob`, and the next step goes on from the sum as written.
-    Returns (prompt, steps, labels): labels[i] is '+' when step i adds up, '-' when it does not."""
-    spaced = lambda n: " ".join(str(n))  # noqa: E731
-    terms = [rng.randint(0, 9) for _ in range(rng.randint(3, 4))]
-    total, steps, labels = terms[0], [], []
-    for term in terms[1:]:
-        written = total + term
-        if rng.random() < wrong_prob:
-            written += rng.choice([1, 2] if written < 2 else [-2, -1, 1, 2])
-        steps.append(f"{spaced(total)} + {term} = {spaced(written)}{STEP_TAG}")
-        labels.append("+" if written == total + term else "-")
-        total = written
-    return "add: " + " + ".join(map(str, terms)), " ".join(steps), labels
+def count_chain_example(rng, wrong_prob=0.3):
+    """Count up one step at a time: 'count: 3 to 7' -> '4; 5; 6; 7;'.  Each step is wrong (any other
+    digit) with `wrong_prob`, and the next step goes on from the number as written; the chain stops
+    after the requested number of steps or at 9.  Returns (prompt, steps, labels): labels[i] is '+'
+    when step i is one more than the number before it, '-' when it is not.  (Full addition chains
+    such as '3 + 4 = 7; 7 + 5 = 1 2;' are not learnt by the 0.4M-parameter test model in a few
+    hundred steps; this successor check is.)"""
+    start = rng.randint(0, 6)
+    end = rng.randint(start + 3, 9)
+    prev, steps, labels = start, [], []
+    for _ in range(end - start):
+        if prev == 9:
+            break
+        n = prev + 1 if rng.random() >= wrong_prob else rng.choice([d for d in range(10) if d != prev + 1])
+        steps.append(f"{n}{STEP_TAG}")
+        labels.append("+" if n == prev + 1 else "-")
+        prev = n
+    return f"count: {start} to {end}", " ".join(steps), labels
 
 
-def write_prm_data(out_dir, n_train=2000, n_test=200, seed=0):
-    """Step-labelled data for process reward models in out_dir/add_chain/: prm_{train,test}.jsonl
+def write_prm_data(out_dir, n_train=3000, n_test=200, seed=0):
+    """Step-labelled data for process reward models in out_dir/count/: prm_{train,test}.jsonl
     ({"prompt", "response", "labels"}: hard '+'/'-' per step) and prm_soft_{train,test}.jsonl (the same
-    rows with soft labels: the probability that the step is right, 0.8-1.0 if it is, 0.0-0.2 if not)."""
+    rows with soft labels: the probability that the step is right, 0.8-1.0 if it is, 0.0-0.2 if not).
+    The prompts repeat (there are few), the (prompt, steps) rows do not, across both splits."""
     rng, seen, rows = random.Random(seed), set(), []
     while len(rows) < n_train + n_test:
-        prompt, steps, labels = add_chain_example(rng)
-        if prompt not in seen:
-            seen.add(prompt)
+        prompt, steps, labels = count_chain_example(rng)
+        if (prompt, steps) not in seen:
+            seen.add((prompt, steps))
             rows.append({"prompt": prompt, "response": steps, "labels": labels})
-    d = os.path.join(out_dir, "add_chain")
+    d = os.path.join(out_dir, "count")
     for split, part in (("train", rows[:n_train]), ("test", rows[n_train:])):
         write_jsonl(f"{d}/prm_{split}.jsonl", part)
         soft = [{**r, "labels": [rng.choice([0.8, 0.9, 1.0]) if lab == "+" else rng.choice([0.0, 0.1, 0.2])
@@ -181,7 +185,7 @@ def build_model(name, tokenizer, seed=0):
 
 def build_assets(out_dir, models=tuple(MODEL_SIZES), tasks=tuple(TASKS)):
     """Write models (out_dir/<name>) and data (out_dir/data/<task>/..., and the PRM data in
-    out_dir/data/add_chain/); skip what exists."""
+    out_dir/data/count/); skip what exists."""
     tokenizer = build_tokenizer()
     for name in models:
         path = os.path.join(out_dir, name)
@@ -191,7 +195,7 @@ def build_assets(out_dir, models=tuple(MODEL_SIZES), tasks=tuple(TASKS)):
     for task in tasks:
         if not os.path.exists(os.path.join(out_dir, "data", task, "rl_test.jsonl")):
             write_task_data(os.path.join(out_dir, "data"), task)
-    if not os.path.exists(os.path.join(out_dir, "data", "add_chain", "prm_soft_test.jsonl")):
+    if not os.path.exists(os.path.join(out_dir, "data", "count", "prm_soft_test.jsonl")):
         write_prm_data(os.path.join(out_dir, "data"))
     return out_dir
 
