@@ -75,16 +75,18 @@ def test_rejection_sampling_and_csft_data_train_with_sft(assets, sft_model, tmp_
 def test_iterative_dpo_pairs_train_with_dpo(assets, sft_model, tmp_path):
     out = tmp_path / "gen.jsonl"
     run_script("generate.py", gen_args(assets, sft_model, out, "--backend", "hf", "--best_of_n", 4, "--max_samples",
-                                       48, "--post_processor", "iter_dpo", "--iter", 1, "--rollout_batch_size", 24))
-    assert [r["index"] for r in read_jsonl(out)] == list(range(24, 48))  # the --iter 1 slice
+                                       128, "--post_processor", "iter_dpo", "--iter", 1, "--rollout_batch_size", 64))
+    assert [r["index"] for r in read_jsonl(out)] == list(range(64, 128))  # the --iter 1 slice
     pairs = read_jsonl(tmp_path / "gen.iter_dpo.jsonl")
-    assert pairs and all(p["chosen"].strip() != p["rejected"].strip() and p["margin"] == 1.0 for p in pairs)
+    assert len(pairs) >= 8 and all(p["chosen"].strip() != p["rejected"].strip() and p["margin"] == 1.0 for p in pairs)
     run_script("dpo.py", ["--pretrain", sft_model, "--dataset", tmp_path / "gen.iter_dpo.jsonl", "--apply_chat_template",
-                          "--max_len", 128, "--train_batch_size", len(pairs) - len(pairs) % 4 or 4,
-                          "--micro_train_batch_size", 4, "--max_epochs", 3, "--learning_rate", 1e-3, "--save_path",
-                          tmp_path / "dpo", "--metrics_file", tmp_path / "dpo.jsonl"])
-    metrics = read_jsonl(tmp_path / "dpo.jsonl")
-    assert metrics[-1]["train/loss"] < metrics[0]["train/loss"]
+                          "--max_len", 128, "--train_batch_size", 4, "--micro_train_batch_size", 4, "--max_epochs", 4,
+                          "--learning_rate", 1e-4, "--save_path", tmp_path / "dpo", "--metrics_file", tmp_path / "dpo.jsonl"])
+    losses = [m["train/loss"] for m in read_jsonl(tmp_path / "dpo.jsonl")]
+    steps_per_epoch = len(pairs) // 4
+    assert abs(losses[0] - 0.6931) <= 1e-3  # policy = reference at the first step: log 2
+    last_epoch = losses[-steps_per_epoch:]
+    assert sum(last_epoch) / len(last_epoch) < 0.675, losses  # measured 0.654 (from log 2 = 0.693)
 
 
 def test_bad_input(assets, sft_model, tmp_path):
