@@ -1,7 +1,8 @@
 """Batch generation: n samples per prompt with vLLM (or Hugging Face generate), optional scoring
-with reward models from rm.py and / or a Python reward function, and post-processing into new
-training data: best-of-n, rejection sampling (SFT data), conditional SFT (SFT data with the score
-in the prompt) and iterative-DPO pairs (best vs worst, DPO data).
+with reward models from rm.py and / or a reward function (a Python file or a reward server, see
+common/remote_reward.py), and post-processing into new training data: best-of-n, rejection
+sampling (SFT data), conditional SFT (SFT data with the score in the prompt) and iterative-DPO
+pairs (best vs worst, DPO data).
 
     python algos/generate.py --pretrain outputs/sft --dataset assets/data/reverse/rl_test.jsonl \\
         --input_key prompt --label_key answer --apply_chat_template --best_of_n 4 \\
@@ -14,7 +15,6 @@ goes to --processed_path (default: <output_path without .jsonl>.<post_processor>
 keys sft.py (`prompt`, `response`) and dpo.py (`prompt`, `chosen`, `rejected`) read.
 """
 
-import importlib.util
 import json
 import os
 import sys
@@ -26,6 +26,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import DataArgs, format_prompt, format_response, load_one, load_tokenizer  # noqa: E402
+from common.remote_reward import make_reward_fn  # noqa: E402
 from common.tracking import progress  # noqa: E402
 from common.vllm_engine import EngineArgs, HFGenerator, SamplingArgs, create_vllm_engine, vllm_generate  # noqa: E402
 
@@ -77,6 +78,11 @@ class Args:
     """Normalise each reward model's output with the mean/std rm.py stored in its config."""
     reward_func: Optional[str] = None
     """A Python file defining reward_func(queries, prompts, labels) -> one float per query (added to RM rewards)."""
+    remote_rm_url: Optional[str] = None
+    """A reward server's URL (python -m common.remote_reward) or a .py reward file, instead of --reward_func;
+    queries are sent as prompt text + response."""
+    remote_rm_token: Optional[str] = None
+    """Bearer token of the --remote_rm_url server (default: $MINRLHF_REWARD_TOKEN, which keeps it out of `ps`)."""
     post_processor: Literal["none", "best_of_n", "rs", "csft", "iter_dpo"] = "none"
     """best_of_n: best response per prompt; rs: best per prompt if its reward >= --reward_threshold (SFT data);
     csft: every response, prompt prefixed with its normalised reward (SFT data); iter_dpo: best vs worst (DPO data)."""
@@ -92,31 +98,24 @@ def parse_args(argv=None):
     args = tyro.cli(Args, args=argv, config=(tyro.conf.OmitArgPrefixes,), use_underscores=True, description=__doc__)
     if args.best_of_n < 1:
         raise ValueError(f"--best_of_n must be >= 1, got {args.best_of_n}")
-    if args.post_processor != "none" and not (args.reward_pretrain or args.reward_func):
-        raise ValueError(f"--post_processor {args.post_processor} needs rewards: give --reward_pretrain and/or --reward_func")
+    if args.reward_func and args.remote_rm_url:
+        raise ValueError("give --reward_func or --remote_rm_url, not both (--remote_rm_url also takes a .py file)")
+    if args.remote_rm_token and not (args.remote_rm_url or "").lower().startswith(("http://", "https://")):
+        raise ValueError("--remote_rm_token applies to an http(s):// --remote_rm_url only")
+    if args.post_processor != "none" and not (args.reward_pretrain or args.reward_func or args.remote_rm_url):
+        raise ValueError(f"--post_processor {args.post_processor} needs rewards: give --reward_pretrain and/or "
+                         "--reward_func / --remote_rm_url")
     if args.post_processor == "iter_dpo" and args.best_of_n < 2:
         raise ValueError("--post_processor iter_dpo needs --best_of_n >= 2 (best and worst of several samples)")
     if args.reward_threshold is not None and args.post_processor != "rs":
         raise ValueError("--reward_threshold applies to --post_processor rs only")
-    if args.reward_func:
-        load_reward_func(args.reward_func)  # fail now, not after generating
+    if args.reward_func or args.remote_rm_url:  # fail now, not after generating: an empty batch loads the file
+        make_reward_fn(args.reward_func or args.remote_rm_url, args.remote_rm_token)([], [], [])  # or asks the server
     if args.input_template is not None and "{}" not in args.input_template:
         raise ValueError(f"--input_template must contain '{{}}', got {args.input_template!r}")
     if args.processed_path is None and args.post_processor != "none":
         args.processed_path = f"{os.path.splitext(args.output_path)[0]}.{args.post_processor}.jsonl"
     return args
-
-
-def load_reward_func(path):
-    """The `reward_func` of a Python file, checked to exist and be callable."""
-    if not os.path.isfile(path):
-        raise ValueError(f"--reward_func {path}: no such file")
-    spec = importlib.util.spec_from_file_location("user_reward_func", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not callable(getattr(module, "reward_func", None)):
-        raise ValueError(f"--reward_func {path} defines no function reward_func(queries, prompts, labels)")
-    return module.reward_func
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,8 +162,8 @@ def read_done(path):
 # ----------------------------------------------------------------------------------------------
 # Rewards
 # ----------------------------------------------------------------------------------------------
-def compute_rewards(args, chunk, responses, reward_models, rm_tokenizer, data_args, reward_func):
-    """One float per response: the sum of the reward models' scores and the reward function."""
+def compute_rewards(args, chunk, responses, reward_models, rm_tokenizer, data_args, reward_fn):
+    """One float per response: the sum of the reward models' scores and the reward function's."""
     prompts = [p["prompt_text"] for p in chunk for _ in range(args.best_of_n)]
     total = torch.zeros(len(prompts))
     if reward_models:  # the RM reads the text as rm.py trained it: templated prompt + templated response
@@ -173,13 +172,10 @@ def compute_rewards(args, chunk, responses, reward_models, rm_tokenizer, data_ar
         texts = [p["prompt_text"] + format_response(p["prompt"], r, rm_tokenizer, data_args)
                  for p, rs in zip(chunk, responses) for r in rs]
         total += score(reward_models, texts, rm_tokenizer, normalize=args.normalize_reward)
-    if reward_func:
+    if reward_fn:  # checked: one finite float per query, or an error naming the file / server
         queries = [p["prompt_text"] + r for p, rs in zip(chunk, responses) for r in rs]
         labels = [p["label"] for p in chunk for _ in range(args.best_of_n)]
-        out = torch.as_tensor(reward_func(queries, prompts, labels), dtype=torch.float32).flatten()
-        if out.numel() != len(queries):
-            raise ValueError(f"--reward_func returned {out.numel()} rewards for {len(queries)} queries")
-        total += out
+        total += reward_fn(queries, prompts, labels)
     return total.view(len(chunk), args.best_of_n).tolist()
 
 
@@ -226,7 +222,8 @@ def main(args: Args):
     todo = [p for p in prompts if p["index"] not in done]
     print(f"{len(prompts)} prompts, {len(prompts) - len(todo)} already in {args.output_path}, {len(todo)} to generate")
 
-    reward_func = load_reward_func(args.reward_func) if args.reward_func else None
+    reward_spec = args.reward_func or args.remote_rm_url
+    reward_fn = make_reward_fn(reward_spec, args.remote_rm_token) if reward_spec else None
     reward_models, rm_tokenizer = [], None
     if args.reward_pretrain:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -249,8 +246,8 @@ def main(args: Args):
         ids = [tokenizer(p["prompt_text"], add_special_tokens=not args.apply_chat_template)["input_ids"] for p in chunk]
         samples = generate(ids)
         responses = [[s.text for s in per_prompt] for per_prompt in samples]
-        rewards = (compute_rewards(args, chunk, responses, reward_models, rm_tokenizer, data_args, reward_func)
-                   if reward_models or reward_func else [[None] * args.best_of_n for _ in chunk])
+        rewards = (compute_rewards(args, chunk, responses, reward_models, rm_tokenizer, data_args, reward_fn)
+                   if reward_models or reward_fn else [[None] * args.best_of_n for _ in chunk])
         with open(args.output_path, "a") as f:
             for p, per_prompt, resp, rew in zip(chunk, samples, responses, rewards):
                 f.write(json.dumps({"index": p["index"], "prompt": p["prompt"], "label": p["label"], "responses": resp,
@@ -274,6 +271,6 @@ def main(args: Args):
 if __name__ == "__main__":
     try:
         parsed = parse_args()
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:  # RuntimeError: the reward server refused or did not answer
         sys.exit(f"error: {e}")
     main(parsed)

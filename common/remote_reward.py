@@ -9,8 +9,8 @@ prompt + response texts, prompts the prompt texts, labels the reference answers 
 HTTP the client POSTs {"queries": [...], "prompts": [...], "labels": [...]} with the header
 `Authorization: Bearer <token>` and reads {"rewards": [...]}. Connection errors, timeouts, 429 and
 5xx are retried with exponential backoff; a rejected token fails at once; nothing is ever replaced by
-a zero reward. An empty batch is answered without calling the function: a cheap check of URL and
-token.
+a zero reward. An empty batch is answered without calling the function (locally and by the server):
+a cheap check that the file loads, or of the URL and token.
 
     python -m common.remote_reward --reward_func launch/rewards/exact_match.py --port 5000
     python -m common.remote_reward --reward_pretrain outputs/rm --normalize_reward --port 5000
@@ -73,6 +73,8 @@ def _file_reward_fn(path):
     func = load_reward_func(path)
 
     def reward_fn(queries, prompts, labels):
+        if not queries:
+            return torch.zeros(0)
         try:
             rewards = func(queries, prompts, labels)
         except Exception as e:
