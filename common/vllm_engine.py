@@ -82,9 +82,10 @@ def create_vllm_engine(model_path, args: EngineArgs):
             worker_extension_cls="common.vllm_engine.WeightSyncWorker",
         )
     except Exception as e:
-        if "not supported" in str(e).lower() or "architecture" in str(e).lower():
-            raise ValueError(f"vLLM cannot load {model_path}: {e}. Use the Hugging Face backend "
-                             "(HFGenerator / --backend hf) for this architecture.") from e
+        reason = str(e).split("Supported architectures:")[0].strip()  # vLLM's list of them runs to ~10k characters
+        if "not supported" in reason.lower() or "architecture" in reason.lower():
+            raise ValueError(f"vLLM cannot load {model_path}: {reason} Use the Hugging Face backend "
+                             "(--backend hf, or HFGenerator) for this architecture.") from e
         raise
 
 

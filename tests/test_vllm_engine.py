@@ -35,6 +35,25 @@ def llm(tiny):
     del engine
 
 
+def test_unsupported_architecture_names_it_and_suggests_the_hf_backend(assets, tmp_path):
+    """A model vLLM has no implementation for fails with its architecture and the way out (the HF
+    backend, which loads it), not vLLM's ~10k-character list of the architectures it supports."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "madeup"
+    shutil.copytree(f"{assets}/llama-0.5m", path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["MadeUpForCausalLM"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=rf"(?s)vLLM cannot load {path}: .*MadeUpForCausalLM.* not supported") as err:
+        create_vllm_engine(str(path), ENGINE)
+    assert "Use the Hugging Face backend (--backend hf" in str(err.value) and len(str(err.value)) < 1000
+    assert AutoModelForCausalLM.from_pretrained(path).config.architectures == ["MadeUpForCausalLM"]
+
+
 def hf_logprobs(model, sequences):
     """log p(token t | tokens before t) for t >= 1 of each sequence, from a plain HF forward."""
     out = []
