@@ -91,7 +91,7 @@ def _first_failure(func, queries, prompts, labels):
         try:
             func([q], [p], [label])
         except Exception as e:
-            prompt = p if len(p) <= 200 else p[:200] + "..."
+            prompt = p[:200] + "..." if isinstance(p, str) and len(p) > 200 else p
             return f"first failing sample: index {i}, prompt {prompt!r}, label {label!r} ({type(e).__name__}: {e})"
     return f"no sample fails alone (the batch of {len(queries)} does)"
 
