@@ -1,0 +1,225 @@
+"""algos/distill.py: divergences against hand-computed values, packed = padded, cached teacher = live
+teacher, a trained 10M teacher distilled into an untrained 0.5M student (off-policy), on-policy GKD
+with a vLLM engine synced every step under torchrun, and argument errors."""
+
+import os
+
+import pytest
+import torch
+from conftest import load_algo, read_jsonl, run_script
+
+from common.data import DataArgs
+
+TASK = ["--input_key", "prompt", "--output_key", "response", "--apply_chat_template", "--max_len", "64"]
+
+# p (teacher) = [.5, .3, .2], q (student) = [.2, .5, .3]; values from the definitions, by hand:
+# KL(p‖q) = .5 ln(.5/.2) + .3 ln(.3/.5) + .2 ln(.2/.3), KL(q‖p) likewise, m = β p + (1-β) q, ...
+P, Q = [0.5, 0.3, 0.2], [0.2, 0.5, 0.3]
+FORWARD_KL, REVERSE_KL = 0.2238046572, 0.1937941979
+JSD = {0.5: 0.0508746125, 0.1: 0.0196612263}
+T2_FORWARD_KL, T2_REVERSE_KL = 0.2194952435, 0.2038878954  # 4 · KL of the T = 2 (square-root) distributions
+TOP2_FORWARD_KL, TOP2_REVERSE_KL = 0.2475907059, 0.2366094862  # over {0, 1}: p_S = [.625, .375], q_S = [2/7, 5/7]
+TOP2_T2_FORWARD_KL = 0.2527813486
+
+
+def test_divergences_hand_computed():
+    distill = load_algo("distill")
+    # logits = log-probs + an arbitrary per-row shift (softmax ignores it); two identical rows
+    teacher = torch.tensor([P, P]).log() + torch.tensor([[1.0], [-3.0]])
+    student = torch.tensor([Q, Q]).log() + torch.tensor([[0.5], [2.0]])
+
+    def d(kind, beta=0.5, temperature=1.0, top_k=0):
+        t_values, t_ids = teacher.topk(top_k, -1) if top_k else (teacher, None)
+        out = distill.divergence(student, t_values, t_ids, kind, beta, temperature)
+        assert out.shape == (2,) and abs(out[0] - out[1]) <= 1e-6
+        return out[0].item()
+
+    assert abs(d("forward_kl") - FORWARD_KL) <= 1e-6
+    assert abs(d("reverse_kl") - REVERSE_KL) <= 1e-6
+    for beta, value in JSD.items():
+        assert abs(d("jsd", beta) - value) <= 1e-6, beta
+    # the ends of JSD(β) are the two KLs, exactly; near the ends JSD/β and JSD/(1-β) approach them
+    assert d("jsd", 0.0) == d("forward_kl") and d("jsd", 1.0) == d("reverse_kl")
+    assert abs(d("jsd", 1e-4) / 1e-4 - FORWARD_KL) <= 1e-3
+    assert abs(d("jsd", 1 - 1e-4) / 1e-4 - REVERSE_KL) <= 1e-3
+    # temperature: both distributions softened, the divergence scaled by T²
+    assert abs(d("forward_kl", temperature=2.0) - T2_FORWARD_KL) <= 1e-6
+    assert abs(d("reverse_kl", temperature=2.0) - T2_REVERSE_KL) <= 1e-6
+    # top-k: both restricted to the teacher's top-2 ids and renormalised there; k = V is the full divergence
+    assert abs(d("forward_kl", top_k=2) - TOP2_FORWARD_KL) <= 1e-6
+    assert abs(d("reverse_kl", top_k=2) - TOP2_REVERSE_KL) <= 1e-6
+    assert abs(d("forward_kl", temperature=2.0, top_k=2) - TOP2_T2_FORWARD_KL) <= 1e-6
+    assert abs(d("jsd", 0.5, top_k=3) - JSD[0.5]) <= 1e-6
+    # equal distributions: 0 for every divergence
+    for kind in ("forward_kl", "reverse_kl", "jsd"):
+        assert abs(distill.divergence(teacher, teacher, None, kind, 0.5, 1.0)).max() <= 1e-6
+
+
+def reverse_samples(distill, tokenizer, path, n):
+    args = distill.Args(data=DataArgs(input_key="prompt", apply_chat_template=True, max_len=64), output_key="response")
+    return [distill.distill_row(r, tokenizer, args) for r in read_jsonl(path)[:n]], args
+
+
+def test_packed_equals_padded(assets):
+    """Per-token KD terms and CE from packed rows equal those from one padded sample per row."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    distill = load_algo("distill")
+    tokenizer = AutoTokenizer.from_pretrained(f"{assets}/llama-0.5m")
+    samples, args = reverse_samples(distill, tokenizer, f"{assets}/data/reverse/sft_train.jsonl", 12)
+    args.teacher_top_k, args.temperature, args.divergence = 16, 2.0, "jsd"
+    student = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m", attn_implementation="sdpa").eval()
+    teacher = AutoModelForCausalLM.from_pretrained(f"{assets}/qwen2-0.5m", attn_implementation="sdpa").eval()
+    vocab = len(tokenizer)
+    out = {}
+    for packing in (True, False):
+        batch = distill.collate(samples, tokenizer.pad_token_id, packing=packing, max_tokens=128)
+        with torch.no_grad():
+            logits, targets, counts = distill.response_logits(student, batch)
+            t_values, t_ids, _ = distill.teacher_targets(teacher, batch, args.teacher_top_k, vocab)
+            out[packing] = (*distill.token_losses(logits, targets, t_values, t_ids, args, vocab), targets, counts,
+                            batch["input_ids"].shape[0])
+    (kd_p, ce_p, tg_p, c_p, rows_p), (kd_u, ce_u, tg_u, c_u, rows_u) = out[True], out[False]
+    assert rows_p < rows_u == 12  # packing did pack
+    assert torch.equal(tg_p, tg_u) and torch.equal(c_p, c_u)
+    assert c_p.tolist() == [sum(s["loss_mask"]) for s in samples]  # every response token, in sample order
+    assert (kd_p - kd_u).abs().max() <= 1e-4 and (ce_p - ce_u).abs().max() <= 1e-4
+    print(f"packed vs padded: kd max diff {(kd_p - kd_u).abs().max():.2e}, ce {(ce_p - ce_u).abs().max():.2e}")
+    assert kd_p.mean() > 1e-3 and ce_p.mean() > 5  # a real divergence (untrained models: near uniform), not zeros
+
+
+def test_cached_teacher_equals_live(assets, tmp_path):
+    """The cache written under 2 ranks, the cache read back (a hit, under 1 rank) and the live teacher
+    give the same losses and eval metrics; top-k 16 and T = 2 exercise the stored top-k logits."""
+    data = f"{assets}/data/reverse"
+    common = ["--pretrain", f"{assets}/llama-0.5m", "--teacher_model", f"{assets}/qwen2-0.5m",
+              "--dataset", f"{data}/sft_train.jsonl", "--eval_dataset", f"{data}/sft_test.jsonl", *TASK,
+              "--max_samples", 32, "--train_batch_size", 16, "--micro_train_batch_size", 8, "--learning_rate", 1e-3,
+              "--teacher_top_k", 16, "--temperature", 2.0, "--divergence", "jsd", "--jsd_beta", 0.3, "--seed", 3]
+    cache = tmp_path / "cache"
+    runs = {}
+    for name, nproc, extra in [("write", 2, ["--teacher_cache", cache]), ("read", 1, ["--teacher_cache", cache]),
+                               ("live", 1, [])]:
+        proc = run_script("distill.py", [*common, *extra, "--save_path", tmp_path / name,
+                                         "--metrics_file", tmp_path / f"{name}.jsonl"], nproc=nproc)
+        runs[name] = read_jsonl(tmp_path / f"{name}.jsonl")
+        if name != "live":
+            verb = "written" if name == "write" else "loaded"
+            assert proc.stdout.count(f"teacher cache {verb}") == 2, proc.stdout[-2000:]  # train and eval sets
+    assert len(os.listdir(cache)) == 2
+    live = runs["live"]
+    assert [m["step"] for m in live] == [0, 1, 2]
+    for name in ("write", "read"):
+        for a, b in zip(runs[name], live):
+            for key in ("train/loss", "train/kd", "eval/loss", "eval/kd", "eval/nll"):
+                if key in b:
+                    assert abs(a[key] - b[key]) <= 1e-5, (name, key, a[key], b[key])
+
+
+# ----------------------------------------------------------------------------------------------
+# A trained teacher distilled into an untrained student
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def teacher(assets, tmp_path_factory):
+    """llama-10m after SFT on string reversal (50 steps of 32, lr 3e-3): the teacher of the tests below."""
+    from common.tiny import build_assets
+
+    build_assets(assets, models=("llama-10m",))
+    out = tmp_path_factory.mktemp("teacher")
+    run_script("sft.py", [
+        "--pretrain", f"{assets}/llama-10m", "--dataset", f"{assets}/data/reverse/sft_train.jsonl", *TASK,
+        "--max_samples", TEACHER_SAMPLES, "--train_batch_size", 32, "--micro_train_batch_size", 32,
+        "--learning_rate", 3e-3, "--lr_warmup_ratio", 0.1, "--zero_stage", 0, "--save_path", out,
+    ], env={"OMP_NUM_THREADS": "2"})
+    return str(out)
+
+
+TEACHER_SAMPLES = 1600
+
+
+def test_distillation_learns(assets, teacher, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.tiny import exact_match
+
+    data = f"{assets}/data/reverse"
+    common = ["--pretrain", f"{assets}/llama-0.5m", "--teacher_model", teacher, "--dataset", f"{data}/sft_train.jsonl",
+              "--eval_dataset", f"{data}/sft_test.jsonl", *TASK, "--max_samples", STUDENT_SAMPLES,
+              "--train_batch_size", 32, "--micro_train_batch_size", 16, "--learning_rate", 3e-3]
+    metrics, accuracy = {}, {}
+    tokenizer = AutoTokenizer.from_pretrained(teacher)
+    test_rows = read_jsonl(f"{data}/sft_test.jsonl")
+    for name, kd_coef in (("kd", KD_COEF), ("ce", 0.0)):
+        run_script("distill.py", [*common, "--kd_coef", kd_coef, "--save_path", tmp_path / name,
+                                  "--metrics_file", tmp_path / f"{name}.jsonl"], nproc=2)
+        metrics[name] = [m for m in read_jsonl(tmp_path / f"{name}.jsonl") if "eval/kd" in m]
+        accuracy[name] = exact_match(AutoModelForCausalLM.from_pretrained(tmp_path / name), tokenizer, test_rows)
+    accuracy["teacher"] = exact_match(AutoModelForCausalLM.from_pretrained(teacher), tokenizer, test_rows)
+    kl = {name: (m[0]["eval/kd"], m[-1]["eval/kd"]) for name, m in metrics.items()}
+    print(f"held-out KL(teacher‖student) before/after: {kl}; exact match: {accuracy}")
+    assert kl["kd"][1] <= 0.5 * kl["kd"][0], kl
+    assert accuracy["teacher"] >= 0.5, accuracy
+    assert accuracy["kd"] > accuracy["ce"], accuracy
+
+
+STUDENT_SAMPLES, KD_COEF = 960, 0.5
+
+
+def test_on_policy_with_vllm(assets, teacher, tmp_path):
+    """--lmbda 1 under torchrun: every step rank 0 syncs the student into its vLLM engine, samples for
+    both ranks' prompts, and the teacher scores the samples; vLLM's log-probs of its samples equal the
+    trainer's (the sync worked), and the KL to the teacher falls on the student's own samples and on
+    the held-out dataset responses."""
+    data = f"{assets}/data/reverse"
+    run_script("distill.py", [
+        "--pretrain", f"{assets}/llama-0.5m", "--teacher_model", teacher, "--dataset", f"{data}/sft_train.jsonl",
+        "--eval_dataset", f"{data}/sft_test.jsonl", *TASK, "--eval_steps", ON_POLICY_STEPS, "--max_samples", 16 * ON_POLICY_STEPS,
+        "--train_batch_size", 16, "--micro_train_batch_size", 8, "--learning_rate", 3e-3, "--kd_coef", 1.0,
+        "--lmbda", 1.0, "--generate_max_len", 16, "--vllm_gpu_memory_utilization", 0.05, "--max_model_len", 128,
+        "--save_path", tmp_path / "out", "--metrics_file", tmp_path / "m.jsonl",
+    ], nproc=2)
+    metrics = read_jsonl(tmp_path / "m.jsonl")
+    train = [m for m in metrics if "train/kd" in m]
+    evals = [m for m in metrics if "eval/kd" in m]
+    assert len(train) == ON_POLICY_STEPS and all(m["train/on_policy"] == 1.0 for m in train)
+    assert max(m["train/vllm_logp_max_diff"] for m in train) <= 1e-3, [m["train/vllm_logp_max_diff"] for m in train]
+    first, last = train[0]["train/kd"], sum(m["train/kd"] for m in train[-2:]) / 2
+    print(f"on-policy KL first step {first:.4f}, last two {last:.4f}; held-out {evals[0]['eval/kd']:.4f} -> "
+          f"{evals[-1]['eval/kd']:.4f}")
+    assert last < 0.7 * first, (first, last)
+    assert evals[-1]["eval/kd"] < evals[0]["eval/kd"], evals
+
+
+ON_POLICY_STEPS = 8
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: fails before any model loads, naming the problem
+# ----------------------------------------------------------------------------------------------
+def test_different_tokenizers_and_top_k_too_large(assets, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from common.tiny import build_model
+
+    # another byte-level BPE: other special tokens first, merges learnt from other text
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["the quick brown fox"] * 10, trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<|end|>", "<|pad|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    other = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", pad_token="<|pad|>")
+    build_model("llama-0.5m", other).save_pretrained(tmp_path / "other")
+    other.save_pretrained(tmp_path / "other")
+    data = f"{assets}/data/reverse/sft_train.jsonl"
+    base = ["--pretrain", f"{assets}/llama-0.5m", "--dataset", data, *TASK, "--save_path", tmp_path / "out"]
+    proc = run_script("distill.py", [*base, "--teacher_model", tmp_path / "other"], expect_ok=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"error: teacher {tmp_path / 'other'} ({len(other)} tokens" in proc.stderr, proc.stderr[-2000:]
+    assert f"student {assets}/llama-0.5m (302 tokens" in proc.stderr and "different tokenizers" in proc.stderr
+
+    distill = load_algo("distill")
+    with pytest.raises(ValueError, match=r"--teacher_top_k 303 is larger than the vocabulary \(302 tokens\)"):
+        distill.parse_args([*map(str, base), "--teacher_model", f"{assets}/qwen2-0.5m", "--teacher_top_k", "303"])
+    with pytest.raises(ValueError, match="on-policy samples"):
+        distill.parse_args([*map(str, base), "--teacher_model", f"{assets}/qwen2-0.5m", "--lmbda", "0.5",
+                            "--teacher_cache", str(tmp_path / "c")])
