@@ -8,6 +8,7 @@ the whole model with `reload_weights`.
 """
 
 import contextlib
+import dataclasses
 import datetime
 import socket
 import threading
@@ -69,8 +70,9 @@ class EngineArgs:
 # ----------------------------------------------------------------------------------------------
 # Engines
 # ----------------------------------------------------------------------------------------------
-def create_vllm_engine(model_path, args: EngineArgs):
-    """A vllm.LLM that can receive weights (call from under `if __name__ == "__main__":`)."""
+def create_vllm_engine(model_path, args: EngineArgs, enable_sleep=False):
+    """A vllm.LLM that can receive weights (call from under `if __name__ == "__main__":`);
+    enable_sleep lets sleep_engine free its memory on CUDA."""
     from vllm import LLM
 
     try:
@@ -80,6 +82,7 @@ def create_vllm_engine(model_path, args: EngineArgs):
             max_model_len=args.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager, seed=args.seed,
             worker_extension_cls="common.vllm_engine.WeightSyncWorker",
+            enable_sleep_mode=enable_sleep and torch.cuda.is_available(),
         )
     except Exception as e:
         reason = str(e).split("Supported architectures:")[0].strip()  # vLLM's list of them runs to ~10k characters
@@ -113,10 +116,13 @@ def to_sampling_params(sampling: SamplingArgs, logprobs=True):
     )
 
 
-def vllm_generate(llm, prompt_ids, sampling: SamplingArgs):
-    """n samples for each tokenized prompt: a list (per prompt) of lists of Sample."""
-    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], to_sampling_params(sampling),
-                           use_tqdm=False)
+def vllm_generate(llm, prompt_ids, sampling: SamplingArgs, seeds=None):
+    """n samples for each tokenized prompt: a list (per prompt) of lists of Sample. `seeds`, one
+    per prompt, make each prompt's samples independent of batching and engine count."""
+    params = to_sampling_params(sampling)
+    if seeds is not None:
+        params = [to_sampling_params(dataclasses.replace(sampling, seed=s)) for s in seeds]
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False)
     results = []
     for prompt, out in zip(prompt_ids, outputs):
         results.append([
@@ -323,17 +329,24 @@ class WeightSync:
 # ----------------------------------------------------------------------------------------------
 # Engines in Ray actors, and calls that work on either kind
 # ----------------------------------------------------------------------------------------------
-def create_vllm_actor(model_path, args: EngineArgs, num_cpus=1, num_gpus=0):
-    """A Ray actor holding one vLLM engine (generate, sequence_logprobs, collective_rpc)."""
+def create_vllm_actor(model_path, args: EngineArgs, num_cpus=1, num_gpus=0, enable_sleep=False, options=None):
+    """A Ray actor holding one vLLM engine (generate, sequence_logprobs, collective_rpc, sleep,
+    wake_up); `options` go to Ray's .options() (e.g. a placement-group scheduling strategy)."""
     import ray
 
     @ray.remote
     class VLLMActor:
-        def __init__(self, path, engine_args):
-            self.llm = create_vllm_engine(path, engine_args)
+        def __init__(self, path, engine_args, enable_sleep):
+            self.llm = create_vllm_engine(path, engine_args, enable_sleep)
 
-        def generate(self, prompt_ids, sampling):
-            return vllm_generate(self.llm, prompt_ids, sampling)
+        def generate(self, prompt_ids, sampling, seeds=None):
+            return vllm_generate(self.llm, prompt_ids, sampling, seeds)
+
+        def sleep(self):
+            return sleep_engine(self.llm)
+
+        def wake_up(self):
+            return wake_engine(self.llm)
 
         def sequence_logprobs(self, sequences):
             return vllm_sequence_logprobs(self.llm, sequences)
@@ -344,7 +357,7 @@ def create_vllm_actor(model_path, args: EngineArgs, num_cpus=1, num_gpus=0):
         def reset_prefix_cache(self):
             return self.llm.reset_prefix_cache()
 
-    return VLLMActor.options(num_cpus=num_cpus, num_gpus=num_gpus).remote(model_path, args)
+    return VLLMActor.options(num_cpus=num_cpus, num_gpus=num_gpus, **(options or {})).remote(model_path, args, enable_sleep)
 
 
 def _rpc(engine, method, *args):

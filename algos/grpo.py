@@ -1,0 +1,810 @@
+"""Critic-free RL with vLLM rollouts: GRPO, Dr. GRPO, RLOO, REINFORCE++ and REINFORCE++-baseline.
+
+    python algos/grpo.py --pretrain outputs/sft --prompt_data assets/data/reverse/rl_train.jsonl \\
+        --input_key prompt --label_key answer --apply_chat_template \\
+        --remote_rm_url launch/rewards/exact_match.py --n_samples_per_prompt 8 \\
+        --rollout_batch_size 32 --train_batch_size 64 --micro_train_batch_size 16 \\
+        --actor_num_gpus_per_node 2 --vllm_num_engines 1 --save_path outputs/grpo
+
+This process is the Ray driver (a local Ray, or a cluster with --ray_address). Ray only places
+models: trainer actors that form one torch.distributed group and run DeepSpeed (the policy, and
+the reference model when a KL term is on), vLLM engine actors, and a reward-model actor when
+--reward_pretrain is given. On CPU every role is a process; "GPUs" in flag names count trainer
+ranks there. Each step reads top to bottom in `main`: prompts -> n samples per prompt -> rewards
+-> log-probs (policy before the update, reference) -> advantages -> policy update -> weight sync.
+
+Differences from OpenRLHF, on purpose: --init_kl_coef defaults to 0 (no reference model, as GRPO
+recipes with verifiable rewards now run); `dr_grpo` also uses Dr. GRPO's constant loss normaliser
+(OpenRLHF keeps the token mean); log-probs are of the untempered policy (the temperature only
+shapes sampling), and vLLM's log-probs of the sampled tokens are checked against the trainer's
+every step (`check/vllm_logp_max_abs_diff`).
+"""
+
+import math
+import os
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Annotated, Literal, Optional
+
+import torch
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from common.data import BadRow, format_prompt, load_one, load_tokenizer  # noqa: E402
+from common.engine import CkptArgs, ModelArgs, TrainArgs, accumulation_steps, validate_common_args  # noqa: E402
+from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
+from common.vllm_engine import EngineArgs, SamplingArgs  # noqa: E402
+
+ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline")
+GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
+
+
+@dataclass
+class ActorTrainArgs(TrainArgs):
+    train_batch_size: int = 64
+    """Global samples (responses) per optimizer step, across all trainer ranks."""
+    max_epochs: int = 1
+    """Passes over each rollout's samples (PPO epochs)."""
+    learning_rate: Annotated[float, tyro.conf.arg(name="actor_learning_rate")] = 1e-6
+    """Peak learning rate of the policy (AdamW)."""
+    lr_warmup_ratio: float = 0.0
+    """Fraction of optimizer steps with linear warmup."""
+    lr_scheduler: str = "constant_with_warmup"
+    """Any transformers scheduler name."""
+
+
+@dataclass
+class RolloutEngineArgs(EngineArgs):
+    tp_size: Annotated[int, tyro.conf.arg(name="vllm_tensor_parallel_size")] = 1
+    """Tensor-parallel size of each vLLM engine."""
+    max_model_len: int = 2048
+    """Longest prompt + response an engine serves (>= --prompt_max_len + --generate_max_len)."""
+    seed: tyro.conf.Suppress[int] = 0  # unused: every request carries its own seed (derived from --seed)
+
+
+@dataclass
+class Args:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    train: ActorTrainArgs = field(default_factory=ActorTrainArgs)
+    engine: RolloutEngineArgs = field(default_factory=RolloutEngineArgs)
+    ckpt: CkptArgs = field(default_factory=lambda: CkptArgs(save_path="outputs/grpo", ckpt_path="outputs/grpo_ckpt"))
+    log: LogArgs = field(default_factory=LogArgs)
+    # -- prompts
+    prompt_data: str = tyro.MISSING
+    """Prompt dataset (any spec common/data.py loads: file, folder, type@dir, hub name)."""
+    prompt_split: str = "train"
+    """Split of --prompt_data."""
+    input_key: str = "input"
+    """Field holding the prompt (a string, or a list of chat messages)."""
+    label_key: Optional[str] = None
+    """Field holding the reference answer passed to the reward function (required in every row when set)."""
+    apply_chat_template: bool = False
+    """Format prompts with the tokenizer's chat template."""
+    input_template: Optional[str] = None
+    """Plain prompt template with one '{}' for the prompt (no chat template)."""
+    tokenizer_chat_template: Optional[str] = None
+    """A Jinja chat template that replaces the tokenizer's own."""
+    max_samples: int = 100_000_000
+    """Use at most this many prompts."""
+    skip_bad_rows: bool = False
+    """Skip and count prompts that are missing fields or longer than --prompt_max_len instead of stopping."""
+    eval_dataset: Optional[str] = None
+    """Held-out prompts (same keys), evaluated every --eval_steps rollout steps and at the start and end."""
+    eval_split: str = "train"
+    """Split of --eval_dataset."""
+    eval_n_samples_per_prompt: int = 4
+    """Samples per held-out prompt: pass@1 is their mean reward, pass@k the mean of each prompt's best."""
+    eval_temperature: float = 0.6
+    """Sampling temperature of the evaluation (0: greedy)."""
+    # -- rewards
+    remote_rm_url: Optional[str] = None
+    """Rule-based or remote reward: a .py file defining reward_func(queries, prompts, labels), or an HTTP URL
+    served by `python -m common.remote_reward`."""
+    remote_rm_token: Optional[str] = None
+    """Bearer token for an HTTP --remote_rm_url (default: $MINRLHF_REWARD_TOKEN)."""
+    reward_pretrain: Optional[str] = None
+    """Comma list of reward models exported by rm.py; their scores are summed (and added to --remote_rm_url's)."""
+    normalize_reward: bool = False
+    """Normalise each reward model's score with the mean/std rm.py stored in its config."""
+    reward_clip_range: tuple[float, float] = (-10.0, 10.0)
+    """Clamp each sample's scalar reward to this range."""
+    overlong_buffer_len: int = 0
+    """DAPO overlong penalty: responses longer than --generate_max_len minus this lose reward linearly (0: off)."""
+    overlong_penalty_factor: float = 1.0
+    """Reward lost by a response that fills the whole overlong buffer."""
+    # -- rollouts
+    n_samples_per_prompt: int = 8
+    """Responses sampled per prompt (a group)."""
+    rollout_batch_size: int = 32
+    """Prompts per rollout step; samples per step = this x --n_samples_per_prompt."""
+    micro_rollout_batch_size: int = 16
+    """Samples per forward pass when computing log-probs before the update."""
+    num_episodes: int = 1
+    """Passes over the prompt data."""
+    max_steps: int = -1
+    """Stop after this many rollout steps (-1: as many as --num_episodes give)."""
+    prompt_max_len: int = 1024
+    """Longest prompt in tokens."""
+    generate_max_len: int = 1024
+    """Longest response in tokens."""
+    temperature: float = 1.0
+    """Rollout sampling temperature."""
+    top_p: float = 1.0
+    """Rollout nucleus sampling mass."""
+    dynamic_filtering: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and sample new prompts to refill the batch."""
+    dynamic_filtering_max_rounds: int = 4
+    """Sampling rounds per step for --dynamic_filtering; then the batch is topped up with dropped groups."""
+    mask_truncated_responses: bool = False
+    """Responses cut off at --generate_max_len carry no loss."""
+    # -- loss
+    advantage_estimator: Literal["group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline"] = "group_norm"
+    """group_norm: GRPO (r - mean) / (std + eps) in the group; dr_grpo: r - mean and a constant loss normaliser;
+    rloo: leave-one-out baseline; reinforce: REINFORCE++ (KL in the reward, return-to-go, global whitening);
+    reinforce_baseline: group-mean baseline, then global whitening."""
+    gamma: float = 1.0
+    """Discount of the return-to-go (reinforce only; the group estimators use 1)."""
+    loss_agg: Literal["token", "sequence"] = "token"
+    """token: mean over every response token of the optimizer step; sequence: mean over samples of each
+    sample's token mean (dr_grpo always sums and divides by train_batch_size x generate_max_len)."""
+    eps_clip: float = 0.2
+    """PPO ratio clip."""
+    eps_clip_low_high: Optional[tuple[float, float]] = None
+    """Asymmetric clip (DAPO clip-higher): clamp the ratio to [1 - low, 1 + high] instead of +-eps_clip."""
+    dual_clip: Optional[float] = None
+    """Dual-clip constant c > 1: for negative advantages the loss is at most -c x A."""
+    init_kl_coef: float = 0.0
+    """KL coefficient to the reference model (0: no reference model is loaded)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """KL estimator: k1 log(p/p_ref), k2 log(p/p_ref)^2 / 2, k3 p_ref/p - 1 - log(p_ref/p)."""
+    use_kl_loss: bool = False
+    """Put the KL in the loss (GRPO style) instead of the reward."""
+    entropy_loss_coef: float = 0.0
+    """Entropy bonus coefficient (entropy is logged either way)."""
+    vllm_is_truncation: float = 0.0
+    """Truncated importance sampling: weight each token's loss by min(p_trainer / p_vllm, this) (0: off)."""
+    # -- placement
+    actor_num_nodes: int = 1
+    """Nodes for the trainer group."""
+    actor_num_gpus_per_node: int = 1
+    """Trainer ranks per node (devices on CUDA, processes on CPU)."""
+    vllm_num_engines: int = 1
+    """vLLM engines (each --vllm_tensor_parallel_size devices)."""
+    colocate_all_models: bool = False
+    """Put trainers, vLLM engines and reward models on the same devices (one placement-group bundle each)."""
+    vllm_enable_sleep: bool = False
+    """Sleep the vLLM engines while training (CUDA; a logged no-op on CPU)."""
+    ray_address: Optional[str] = None
+    """Join this Ray cluster (default: start a local Ray)."""
+
+
+def parse_args(argv=None):
+    args = tyro.cli(Args, args=argv, config=(tyro.conf.OmitArgPrefixes,), use_underscores=True, description=__doc__)
+    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    validate_common_args(args.model, args.train, args.ckpt, world)
+    n = args.n_samples_per_prompt
+    if n < 1:
+        raise ValueError(f"--n_samples_per_prompt must be >= 1, got {n}")
+    if n == 1 and args.advantage_estimator in GROUP_ESTIMATORS:
+        raise ValueError(f"--advantage_estimator {args.advantage_estimator} compares samples of the same prompt: "
+                         f"set --n_samples_per_prompt >= 2 (or use --advantage_estimator reinforce)")
+    rollout = args.rollout_batch_size * n
+    if rollout % args.train.train_batch_size:
+        raise ValueError(f"--rollout_batch_size {args.rollout_batch_size} x --n_samples_per_prompt {n} = {rollout} "
+                         f"samples must be a multiple of --train_batch_size {args.train.train_batch_size}")
+    if rollout % (args.micro_rollout_batch_size * world):
+        raise ValueError(f"{rollout} samples per rollout must be a multiple of --micro_rollout_batch_size "
+                         f"{args.micro_rollout_batch_size} x {world} trainer ranks")
+    if not (args.remote_rm_url or args.reward_pretrain):
+        raise ValueError("no reward: give --remote_rm_url (a .py reward file or an HTTP URL) and/or --reward_pretrain")
+    if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
+        from common.remote_reward import load_reward_func
+
+        load_reward_func(args.remote_rm_url)  # a missing file or function fails now, not after the models load
+    if args.engine.max_model_len < args.prompt_max_len + args.generate_max_len:
+        raise ValueError(f"--max_model_len {args.engine.max_model_len} must be >= --prompt_max_len "
+                         f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len}")
+    if args.use_kl_loss and args.init_kl_coef <= 0:
+        raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
+    if args.overlong_buffer_len >= args.generate_max_len:
+        raise ValueError(f"--overlong_buffer_len {args.overlong_buffer_len} must be < --generate_max_len")
+    if args.colocate_all_models and args.vllm_num_engines * args.engine.tp_size != world:
+        raise ValueError(f"--colocate_all_models puts one engine device on each trainer device: --vllm_num_engines "
+                         f"x --vllm_tensor_parallel_size must equal {world} trainer ranks")
+    if args.vllm_enable_sleep and not args.colocate_all_models:
+        raise ValueError("--vllm_enable_sleep only helps with --colocate_all_models")
+    if args.input_template is not None and "{}" not in args.input_template:
+        raise ValueError(f"--input_template must contain '{{}}', got {args.input_template!r}")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Advantages, KL and the policy loss: small pure functions  (forkers edit these)
+# ----------------------------------------------------------------------------------------------
+def group_baseline(rewards, estimator, eps=1e-9):
+    """Scalar per sample from rewards of shape (prompts, n): the group-relative signal of each
+    estimator (std is the unbiased one, as torch.std)."""
+    if estimator == "group_norm":
+        return (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + eps)
+    if estimator in ("dr_grpo", "reinforce_baseline"):
+        return rewards - rewards.mean(1, keepdim=True)
+    if estimator == "rloo":
+        n = rewards.shape[1]
+        return rewards - (rewards.sum(1, keepdim=True) - rewards) / (n - 1)
+    return rewards  # reinforce: no baseline
+
+
+def approx_kl(logps, ref_logps, estimator):
+    """Per-token KL estimate of the policy to the reference, clamped to +-10."""
+    log_ratio = logps - ref_logps
+    if estimator == "k1":
+        kl = log_ratio
+    elif estimator == "k2":
+        kl = log_ratio**2 / 2
+    else:
+        kl = torch.exp(-log_ratio) - 1 + log_ratio
+    return kl.clamp(-10, 10)
+
+
+def returns_to_go(token_rewards, gamma):
+    """G_t = sum_{k >= t} gamma^(k - t) r_k of one response."""
+    out, running = torch.zeros_like(token_rewards), 0.0
+    for t in range(len(token_rewards) - 1, -1, -1):
+        running = token_rewards[t] + gamma * running
+        out[t] = running
+    return out
+
+
+def compute_advantages(rewards, kl_penalties, estimator, gamma=1.0, eps=1e-9):
+    """Per-token advantages of every sample.
+
+    rewards: (prompts, n) scalar rewards; kl_penalties: prompts x n 1-D tensors, beta x KL_t per
+    response token (zeros when the KL is not in the reward). Token rewards are -beta x KL_t plus the
+    group-relative scalar at the last token; advantages are their returns-to-go (gamma only for
+    reinforce), whitened over all tokens of the rollout for reinforce and reinforce_baseline."""
+    scalars = group_baseline(rewards, estimator, eps).flatten()
+    g = gamma if estimator == "reinforce" else 1.0
+    advantages = []
+    for s, kl in zip(scalars, kl_penalties):
+        token_rewards = -kl.clone().float()
+        token_rewards[-1] += s
+        advantages.append(returns_to_go(token_rewards, g))
+    if estimator in ("reinforce", "reinforce_baseline"):
+        flat = torch.cat(advantages)
+        mean, std = flat.mean(), flat.std() if flat.numel() > 1 else torch.tensor(1.0)
+        advantages = [(a - mean) / (std + eps) for a in advantages]
+    return advantages
+
+
+def policy_loss(logps, old_logps, advantages, eps_low, eps_high, dual_clip=None):
+    """Per-token PPO clipped loss (asymmetric bounds, optional dual clip) and a clipped-token mask."""
+    ratio = torch.exp((logps - old_logps).clamp(-20, 20))
+    surr1 = ratio * advantages
+    surr2 = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
+    loss = -torch.min(surr1, surr2)
+    if dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
+    return loss, (surr2 < surr1).float()
+
+
+def aggregate(per_token, mask, sample_index, num_samples, mode):
+    """Sum of the loss terms of one micro-batch, to be divided by the step's normaliser (see
+    step_normaliser): token and constant modes sum the tokens, sequence mode sums each sample's
+    token mean. Splitting a step into micro-batches or ranks does not change the total."""
+    if mode == "sequence":
+        keep = sample_index >= 0
+        sums = torch.zeros(num_samples, dtype=per_token.dtype).index_add(0, sample_index[keep], (per_token * mask)[keep])
+        counts = torch.zeros(num_samples, dtype=per_token.dtype).index_add(0, sample_index[keep], mask[keep])
+        return (sums / counts.clamp(min=1)).sum()
+    return (per_token * mask).sum()
+
+
+def step_normaliser(mode, tokens, sequences, train_batch_size, generate_max_len):
+    """What a step's summed loss is divided by: its loss tokens (token), its samples with loss
+    tokens (sequence), or Dr. GRPO's constant train_batch_size x generate_max_len (constant)."""
+    if mode == "constant":
+        return float(train_batch_size * generate_max_len)
+    return float(max(tokens if mode == "token" else sequences, 1))
+
+
+def loss_mode(args):
+    return "constant" if args.advantage_estimator == "dr_grpo" else args.loss_agg
+
+
+def token_entropy(logits):
+    """Entropy of each position's next-token distribution, aligned like common.packing.token_logps."""
+    logps = logits.float().log_softmax(-1)
+    return torch.nn.functional.pad(-(logps.exp() * logps).sum(-1), (1, 0))
+
+
+def micro_batch_loss(model, batch, args, normaliser, scale=1.0):
+    """The policy loss of one collated micro-batch, already divided by the step's normaliser (times
+    `scale`, which undoes DeepSpeed's averaging); returns (loss, metric sums)."""
+    from common.packing import token_logps
+
+    logps, outputs = token_logps(model, batch)
+    mask = batch["loss_mask"]
+    eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
+    per_token, clipped = policy_loss(logps, batch["old_logps"], batch["advantages"], eps_low, eps_high, args.dual_clip)
+    if args.vllm_is_truncation > 0:  # vLLM sampled from slightly different numbers than the trainer computes
+        per_token = per_token * torch.exp(batch["old_logps"] - batch["vllm_logps"]).clamp(max=args.vllm_is_truncation)
+    mode = loss_mode(args)
+    pieces = {"policy_loss": aggregate(per_token, mask, batch["sample_index"], batch["num_samples"], mode)}
+    total = pieces["policy_loss"]
+    if args.use_kl_loss:
+        kl = approx_kl(logps, batch["ref_logps"], args.kl_estimator)
+        pieces["kl_loss"] = aggregate(kl, mask, batch["sample_index"], batch["num_samples"], mode)
+        total = total + args.init_kl_coef * pieces["kl_loss"]
+    with torch.set_grad_enabled(args.entropy_loss_coef > 0):
+        entropy = token_entropy(outputs.logits[:, :-1])
+        pieces["entropy"] = aggregate(entropy, mask, batch["sample_index"], batch["num_samples"], mode)
+    if args.entropy_loss_coef > 0:
+        total = total - args.entropy_loss_coef * pieces["entropy"]
+    pieces["clip_ratio"] = aggregate(clipped, mask, batch["sample_index"], batch["num_samples"], mode)
+    metrics = {k: v.item() for k, v in pieces.items()}
+    return total * scale / normaliser, metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Samples: a response with its prompt, made into collated batches with per-token values
+# ----------------------------------------------------------------------------------------------
+def token_sample(s):
+    """The input_ids/loss_mask dict collate() packs: loss on the response tokens (none if masked)."""
+    return {"input_ids": s["prompt_ids"] + s["response_ids"],
+            "loss_mask": [0] * len(s["prompt_ids"]) + [0 if s.get("masked") else 1] * len(s["response_ids"])}
+
+
+def make_batch(samples, pad_id, max_tokens, flash, values=()):
+    """Collate samples (packed), and lay each named per-response-token value out like the tokens."""
+    from common.packing import collate
+
+    batch = collate([token_sample(s) for s in samples], pad_id, packing=True, max_tokens=max_tokens, one_row=flash)
+    for key in values:
+        laid = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        for s, (r, start, n) in zip(samples, batch["spans"]):
+            p = len(s["prompt_ids"])
+            laid[r, start + p : start + n] = torch.as_tensor(s[key], dtype=torch.float32)
+        batch[key] = laid
+    return batch
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer: one Ray actor per rank; together one torch.distributed group running DeepSpeed
+# ----------------------------------------------------------------------------------------------
+class PolicyTrainer:
+    def __init__(self, args: Args, rank, world, pad_id):
+        self.args, self.rank, self.world, self.pad_id = args, rank, world, pad_id
+
+    def address(self):
+        """Rank 0's address and a free port for the group's rendezvous."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, master_addr, master_port, num_training_steps):
+        from common.engine import (
+            create_eval_engine, create_train_engine, deepspeed_config, deepspeed_eval_config, init_distributed,
+            load_causal_lm, set_seed,
+        )
+
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0",
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        init_distributed()
+        args = self.args
+        set_seed(args.train.seed)
+        ds_config = deepspeed_config(args.train, self.world)
+        model = load_causal_lm(args.model, ds_config)
+        self.flash = model.config._attn_implementation.startswith("flash")
+        self.engine = create_train_engine(model, args.train, ds_config, num_training_steps)
+        self.ref = None
+        if args.init_kl_coef > 0:  # coefficient 0: no reference model at all
+            ref_config = deepspeed_eval_config(args.train, self.world)
+            ref_model = load_causal_lm(ModelArgs(pretrain=args.model.pretrain), ref_config)
+            self.ref = create_eval_engine(ref_model, ref_config)
+        return True
+
+    def setup_weight_sync(self, engines):
+        from common.vllm_engine import WeightSync
+
+        self.weight_sync = WeightSync(engines if self.rank == 0 else [])
+        return True
+
+    def sync_weights(self):
+        return self.weight_sync.sync(self.engine)
+
+    @torch.no_grad()
+    def logprobs(self, samples):
+        """Per-response-token log-probs under the policy (before the update) and the reference."""
+        from common.engine import device
+        from common.packing import to_device, token_logps, unpack
+
+        self.engine.eval()
+        out = {"old_logps": [], "ref_logps": []}
+        micro, max_tokens = self.args.micro_rollout_batch_size, self.max_tokens(samples)
+        for start in range(0, len(samples), micro):
+            chunk = samples[start : start + micro]
+            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.flash), device())
+            for key, model in (("old_logps", self.engine), ("ref_logps", self.ref)):
+                if model is None:
+                    continue
+                logps, _ = token_logps(model, batch)
+                out[key] += [t[len(s["prompt_ids"]):].cpu().tolist() for s, t in zip(chunk, unpack(logps, batch))]
+        self.engine.train()
+        return out
+
+    def max_tokens(self, samples):
+        """Packed row length: the longest sample the run can produce (and at least this batch's longest)."""
+        longest = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+        return max(longest, self.args.prompt_max_len + self.args.generate_max_len)
+
+    def train(self, steps):
+        """steps: this rank's samples of each optimizer step (with advantages, old/ref/vLLM
+        log-probs). Returns the step-averaged metrics (rank 0)."""
+        from common.engine import all_reduce_sum, device, optimizer_step
+        from common.packing import to_device
+
+        args, engine = self.args, self.engine
+        micro = args.train.micro_train_batch_size
+        gas = accumulation_steps(args.train.train_batch_size, micro, self.world)
+        values = ["advantages", "old_logps", "vllm_logps"] + (["ref_logps"] if args.use_kl_loss else [])
+        totals, grad_norms = {}, []
+        for samples in steps:
+            max_tokens = self.max_tokens(samples)
+            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, max_tokens, self.flash, values), device())
+                       for i in range(0, len(samples), micro)]
+            tokens, sequences = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in batches),
+                                                sum(not s.get("masked") for s in samples)])
+            normaliser = step_normaliser(loss_mode(args), tokens, sequences, args.train.train_batch_size,
+                                         args.generate_max_len)
+            step_metrics = {}
+            for batch in batches:
+                loss, metrics = micro_batch_loss(engine, batch, args, normaliser, scale=gas * self.world)
+                engine.backward(loss)
+                grad_norm = optimizer_step(engine)
+                for k, v in metrics.items():
+                    step_metrics[k] = step_metrics.get(k, 0.0) + v / normaliser
+            reduced = all_reduce_sum(list(step_metrics.values()))
+            for k, v in zip(step_metrics, reduced):
+                totals[k] = totals.get(k, 0.0) + v / len(steps)
+            grad_norms.append(grad_norm)
+        totals["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        totals["lr"] = engine.get_lr()[0]
+        return totals
+
+    def save_checkpoint(self, step, client_state):
+        from common.engine import save_checkpoint
+
+        save_checkpoint(self.engine, self.args.ckpt.ckpt_path, step, client_state, self.args.ckpt.max_ckpt_num)
+        return True
+
+    def load_checkpoint(self):
+        from common.engine import load_checkpoint
+
+        return load_checkpoint(self.engine, self.args.ckpt.ckpt_path)
+
+    def save_model(self, path):
+        from common.engine import save_hf_model
+
+        tokenizer = load_tokenizer(self.args.model.pretrain, self.args)
+        save_hf_model(self.engine, tokenizer, path, merge_lora=self.args.ckpt.merge_lora, base_path=self.args.model.pretrain)
+        return True
+
+
+class RewardModels:
+    """Reward models from rm.py in their own Ray actor: one summed score per text."""
+
+    def __init__(self, paths, normalize):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.models = [AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
+        self.tokenizer, self.normalize = AutoTokenizer.from_pretrained(paths[0]), normalize
+
+    def score(self, texts):
+        from common.reward import score
+
+        return score(self.models, texts, self.tokenizer, normalize=self.normalize).tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver side: prompts, placement, rewards
+# ----------------------------------------------------------------------------------------------
+def load_prompts(spec, split, args, tokenizer, max_samples):
+    """[{prompt_text, prompt_ids, label}]; rows missing a field or too long fail naming the file and row."""
+    raw = load_one(spec, split)
+    prompts, skipped = [], 0
+    for i in range(min(len(raw), max_samples)):
+        row = raw[i]
+        try:
+            if row.get(args.input_key) in (None, "", []):
+                raise BadRow(f"missing or empty field {args.input_key!r} (--input_key)")
+            if args.label_key and row.get(args.label_key) is None:
+                raise BadRow(f"missing field {args.label_key!r} (--label_key), which the reward needs")
+            text = format_prompt(row[args.input_key], tokenizer, args)
+            ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
+            if len(ids) > args.prompt_max_len:
+                raise BadRow(f"{len(ids)} prompt tokens, more than --prompt_max_len {args.prompt_max_len}")
+        except BadRow as e:
+            if not args.skip_bad_rows:
+                raise ValueError(f"{spec}: row {i}: {e}") from None
+            skipped += 1
+            continue
+        prompts.append({"prompt_text": text, "prompt_ids": ids, "label": row[args.label_key] if args.label_key else None})
+    if not prompts:
+        raise ValueError(f"{spec}: no usable prompts ({len(raw)} rows, {skipped} skipped)")
+    if skipped:
+        print(f"{spec}: skipped {skipped} bad rows")
+    return prompts
+
+
+def prompt_at(prompts, position, seed):
+    """The prompt at stream position `position`: episode after episode, each in its own shuffled order."""
+    episode, k = divmod(position, len(prompts))
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + episode))
+    return prompts[order[k].item()]
+
+
+def place_models(args, world, pad_id):
+    """Ray actors: trainers, vLLM engines, reward models; colocated in one placement group, or apart."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from common.vllm_engine import create_vllm_actor
+
+    gpu = ray.cluster_resources().get("GPU", 0) > 0
+    share = 0.2 if args.colocate_all_models else 1  # up to five roles share one device when colocated
+    bundles = [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(world)]
+    pg = placement_group(bundles, strategy="PACK")
+    ray.get(pg.ready())
+
+    def in_bundle(i):
+        return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+
+    cpus = 0.5 if args.colocate_all_models else 1  # colocated roles split their bundle's CPU
+    trainers = [ray.remote(PolicyTrainer).options(num_cpus=cpus, num_gpus=share if gpu else 0,
+                                                  scheduling_strategy=in_bundle(r)).remote(args, r, world, pad_id)
+                for r in range(world)]
+    engines = []
+    for i in range(args.vllm_num_engines):
+        options = {"scheduling_strategy": in_bundle(i * args.engine.tp_size)} if args.colocate_all_models else {}
+        engines.append(create_vllm_actor(args.model.pretrain, args.engine, num_cpus=cpus if args.colocate_all_models else 1,
+                                         num_gpus=(share * args.engine.tp_size) if gpu else 0,
+                                         enable_sleep=args.vllm_enable_sleep, options=options))
+    reward_models = None
+    if args.reward_pretrain:
+        options = {"scheduling_strategy": in_bundle(0)} if args.colocate_all_models else {}
+        reward_models = ray.remote(RewardModels).options(num_cpus=cpus if args.colocate_all_models else 1,
+                                                         num_gpus=share if gpu else 0, **options).remote(
+            [p for p in args.reward_pretrain.split(",") if p], args.normalize_reward)
+    return trainers, engines, reward_models
+
+
+def generate(engines, prompts, sampling, seeds):
+    """Split the prompts over the engines; one list of Sample per prompt, in order."""
+    import ray
+
+    per = math.ceil(len(prompts) / len(engines))
+    futures = [e.generate.remote([p["prompt_ids"] for p in prompts[i * per : (i + 1) * per]], sampling,
+                                 seeds[i * per : (i + 1) * per])
+               for i, e in enumerate(engines) if prompts[i * per : (i + 1) * per]]
+    return [group for chunk in ray.get(futures) for group in chunk]
+
+
+def compute_rewards(args, reward_fn, reward_models, prompts, groups, tokenizer):
+    """One scalar reward per sample, shape (prompts, n): reward file / URL plus reward models."""
+    import ray
+
+    queries = [p["prompt_text"] + s.text for p, g in zip(prompts, groups) for s in g]
+    prompt_texts = [p["prompt_text"] for p, g in zip(prompts, groups) for _ in g]
+    labels = [p["label"] for p, g in zip(prompts, groups) for _ in g]
+    total = torch.zeros(len(queries))
+    if reward_fn is not None:
+        total += reward_fn(queries, prompt_texts, labels)
+    if reward_models is not None:  # the RM reads prompt + response + EOS, as rm.py trained it
+        texts = [p["prompt_text"] + tokenizer.decode(s.output_ids) for p, g in zip(prompts, groups) for s in g]
+        total += torch.tensor(ray.get(reward_models.score.remote(texts)))
+    return total.view(len(prompts), -1)
+
+
+def overlong_penalty(length, max_len, buffer, factor):
+    """DAPO: the reward lost by a response of `length` tokens that runs into the last `buffer` tokens."""
+    over = length - (max_len - buffer)
+    return min(max(over, 0), buffer) / buffer * factor if buffer > 0 else 0.0
+
+
+@torch.no_grad()
+def evaluate(args, engines, eval_prompts, reward_fn, reward_models, tokenizer, step):
+    n = args.eval_n_samples_per_prompt
+    sampling = SamplingArgs(n=n, temperature=args.eval_temperature, max_new_tokens=args.generate_max_len)
+    groups = generate(engines, eval_prompts, sampling, [args.train.seed + 7919 * i for i in range(len(eval_prompts))])
+    rewards = compute_rewards(args, reward_fn, reward_models, eval_prompts, groups, tokenizer)
+    return {"eval/pass@1": rewards.mean().item(), f"eval/pass@{n}": rewards.max(1).values.mean().item(),
+            "eval/response_length": sum(len(s.output_ids) for g in groups for s in g) / rewards.numel()}
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------
+def main(args: Args):
+    import ray
+
+    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    tokenizer = load_tokenizer(args.model.pretrain, args)
+    prompts = load_prompts(args.prompt_data, args.prompt_split, args, tokenizer, args.max_samples)
+    eval_prompts = args.eval_dataset and load_prompts(args.eval_dataset, args.eval_split, args, tokenizer, 10**9)
+    reward_fn = None
+    if args.remote_rm_url:
+        from common.remote_reward import make_reward_fn
+
+        reward_fn = make_reward_fn(args.remote_rm_url, token=args.remote_rm_token)
+        reward_fn([], [], [])  # an empty batch checks the URL and token (or the file) before any model starts
+    n, per_step = args.n_samples_per_prompt, args.rollout_batch_size * args.n_samples_per_prompt
+    total_steps = args.num_episodes * len(prompts) // args.rollout_batch_size
+    if args.max_steps > 0:
+        total_steps = min(total_steps, args.max_steps)
+    if total_steps < 1:
+        raise ValueError(f"{len(prompts)} prompts x --num_episodes {args.num_episodes} is fewer than one "
+                         f"--rollout_batch_size {args.rollout_batch_size}")
+    optimizer_steps = total_steps * per_step // args.train.train_batch_size * args.train.max_epochs
+
+    if args.ray_address:
+        ray.init(address=args.ray_address, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    else:  # a local Ray: logical CPUs for every role even on a 2-core machine
+        ray.init(num_cpus=max(os.cpu_count() or 1, 2 * world + args.vllm_num_engines + 1), include_dashboard=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": ROOT, "TOKENIZERS_PARALLELISM": "false"}})
+    trainers, engines, reward_models = place_models(args, world, tokenizer.pad_token_id)
+    addr, port = ray.get(trainers[0].address.remote())
+    ray.get([t.setup.remote(addr, port, optimizer_steps) for t in trainers])
+    ray.get([t.setup_weight_sync.remote(engines) for t in trainers])
+
+    state = {"global_step": 0, "consumed_prompts": 0, "best_pass1": -math.inf}
+    if args.ckpt.load_checkpoint:
+        loaded = ray.get([t.load_checkpoint.remote() for t in trainers])[0]
+        if loaded:
+            state.update(loaded["grpo_state"])
+            ray.get([t.sync_weights.remote() for t in trainers])  # the engines still hold the start weights
+        print(f"resumed from {args.ckpt.ckpt_path} at step {state['global_step']}" if loaded else
+              f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
+    logger = MetricsLogger(args.log, asdict(args), True)
+    if eval_prompts and state["global_step"] == 0:
+        metrics = evaluate(args, engines, eval_prompts, reward_fn, reward_models, tokenizer, 0)
+        print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        logger.log(metrics, 0)
+
+    sampling = SamplingArgs(n=n, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.generate_max_len)
+    bar = progress(range(state["global_step"], total_steps), desc="grpo", initial=state["global_step"], total=total_steps)
+    for step in bar:
+        t_step, timing = time.time(), {}
+        phases = progress(total=5, desc=f"step {step + 1}", leave=False, position=1)
+
+        def phase(name, t0):
+            timing[f"time/{name}"] = timing.get(f"time/{name}", 0.0) + time.time() - t0
+            phases.set_postfix_str(name)
+
+        # 1-2. sample prompts, generate n responses each, reward them (refilling dropped groups)
+        kept, dropped, rounds = [], [], 0
+        while len(kept) < args.rollout_batch_size and rounds < max(1, args.dynamic_filtering_max_rounds):
+            need, rounds = args.rollout_batch_size - len(kept), rounds + 1
+            positions = range(state["consumed_prompts"], state["consumed_prompts"] + need)
+            batch_prompts = [prompt_at(prompts, i, args.train.seed) for i in positions]
+            state["consumed_prompts"] += need
+            t0 = time.time()
+            # a seed per prompt position: the same samples whatever the engine count or batching (resume is exact)
+            groups = generate(engines, batch_prompts, sampling, [args.train.seed * 1_000_003 + i for i in positions])
+            phase("generate", t0)
+            t0 = time.time()
+            rewards = compute_rewards(args, reward_fn, reward_models, batch_prompts, groups, tokenizer)
+            phase("reward", t0)
+            for p, g, r in zip(batch_prompts, groups, rewards):
+                all_equal = bool((r == r[0]).all())
+                (dropped if args.dynamic_filtering and all_equal else kept).append((p, g, r))
+            if not args.dynamic_filtering:
+                break
+        kept += dropped[: args.rollout_batch_size - len(kept)]  # rounds ran out: equal-reward groups carry no signal
+        phases.update(2)
+
+        raw_rewards = torch.stack([r for _, _, r in kept])
+        samples = []
+        for p, g, r in kept:
+            for s, reward in zip(g, r.tolist()):
+                penalty = overlong_penalty(len(s.output_ids), args.generate_max_len, args.overlong_buffer_len,
+                                           args.overlong_penalty_factor)
+                samples.append({"prompt_ids": p["prompt_ids"], "response_ids": list(s.output_ids),
+                                "vllm_logps": list(s.logprobs), "reward": reward - penalty,
+                                "masked": args.mask_truncated_responses and s.finish_reason == "length"})
+
+        # 3. log-probs before the update: policy (old) and reference, each rank its share
+        t0 = time.time()
+        shard = per_step // world
+        outs = ray.get([t.logprobs.remote(samples[r * shard : (r + 1) * shard]) for r, t in enumerate(trainers)])
+        for r, out in enumerate(outs):
+            for k, s in enumerate(samples[r * shard : (r + 1) * shard]):
+                s["old_logps"] = out["old_logps"][k]
+                if out["ref_logps"]:
+                    s["ref_logps"] = out["ref_logps"][k]
+        phase("logprobs", t0)
+        phases.update(1)
+        vllm_diff = max(abs(a - b) for s in samples for a, b in zip(s["old_logps"], s["vllm_logps"]))
+
+        # 4. advantages (driver, over the whole rollout)
+        rewards = torch.tensor([s["reward"] for s in samples]).clamp(*args.reward_clip_range).view(-1, n)
+        kl_in_reward = args.init_kl_coef > 0 and not args.use_kl_loss
+        kls = [args.init_kl_coef * approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]), args.kl_estimator)
+               if kl_in_reward else torch.zeros(len(s["response_ids"])) for s in samples]
+        for s, a in zip(samples, compute_advantages(rewards, kls, args.advantage_estimator, args.gamma)):
+            s["advantages"] = a.tolist()
+
+        # 5. policy update: epochs x optimizer steps, each step's samples split over the ranks
+        if args.vllm_enable_sleep:
+            ray.get([e.sleep.remote() for e in engines])
+        t0 = time.time()
+        per_rank_steps = [[] for _ in range(world)]
+        B = args.train.train_batch_size
+        for epoch in range(args.train.max_epochs):
+            order = torch.randperm(per_step, generator=torch.Generator().manual_seed(args.train.seed + 1000 * step + epoch))
+            for k in range(per_step // B):
+                chosen = [samples[i] for i in order[k * B : (k + 1) * B].tolist()]
+                for r in range(world):
+                    per_rank_steps[r].append(chosen[r * (B // world) : (r + 1) * (B // world)])
+        train_metrics = ray.get([t.train.remote(per_rank_steps[r]) for r, t in enumerate(trainers)])[0]
+        phase("train", t0)
+        phases.update(1)
+
+        # 6. push the new weights into every engine
+        if args.vllm_enable_sleep:
+            ray.get([e.wake_up.remote() for e in engines])
+        t0 = time.time()
+        sync = ray.get([t.sync_weights.remote() for t in trainers])[0]
+        phase("sync", t0)
+        phases.update(1)
+        phases.close()
+
+        # 7. log, evaluate, save
+        state["global_step"] = global_step = step + 1
+        lengths = [len(s["response_ids"]) for s in samples]
+        metrics = {"train/reward": raw_rewards.mean().item(), "train/reward_std": raw_rewards.std().item(),
+                   "train/response_length": sum(lengths) / len(lengths),
+                   "train/truncated": sum(s["masked"] for s in samples) / len(samples),
+                   "train/dropped_groups": len(dropped), "train/sampling_rounds": rounds,
+                   "check/vllm_logp_max_abs_diff": vllm_diff, "perf/sync_mb": sync["bytes"] / 2**20,
+                   "perf/samples_per_s": per_step / (time.time() - t_step), **timing,
+                   **{f"train/{k}": v for k, v in train_metrics.items()}}
+        if any("ref_logps" in s for s in samples):
+            metrics["train/kl"] = (sum(approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]), "k1").sum().item()
+                                       for s in samples) / sum(lengths))
+        bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")
+        if eval_prompts and ((args.log.eval_steps > 0 and global_step % args.log.eval_steps == 0)
+                             or global_step == total_steps):
+            metrics.update(evaluate(args, engines, eval_prompts, reward_fn, reward_models, tokenizer, global_step))
+            bar.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
+                                                          if k.startswith(("eval/", "train/reward"))))
+            if metrics["eval/pass@1"] > state["best_pass1"]:
+                state["best_pass1"] = metrics["eval/pass@1"]
+                ray.get([t.save_model.remote(os.path.join(args.ckpt.save_path, "best")) for t in trainers])
+        if global_step % args.log.logging_steps == 0 or "eval/pass@1" in metrics:
+            logger.log(metrics, global_step)
+        if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
+            ray.get([t.save_checkpoint.remote(global_step, {"grpo_state": dict(state)}) for t in trainers])
+
+    ray.get([t.save_model.remote(args.ckpt.save_path) for t in trainers])
+    print(f"saved {args.ckpt.save_path}")
+    logger.close()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    try:
+        parsed = parse_args()
+    except ValueError as e:  # argument mistakes: say what to fix, before Ray or any model starts
+        sys.exit(f"error: {e}")
+    try:
+        main(parsed)
+    except ValueError as e:  # data mistakes found before training
+        sys.exit(f"error: {e}")
