@@ -16,6 +16,7 @@ CE = -log q(target) at temperature 1.  D (--divergence):
                  β·KL(p‖m) + (1-β)·KL(q‖m); TRL's convention at the ends: β = 0 is exactly forward
                  KL(p‖q) and β = 1 exactly reverse KL(q‖p) (the formula itself tends to 0 there;
                  JSD(β)/β → KL(p‖q) as β → 0 and JSD(β)/(1-β) → KL(q‖p) as β → 1).
+
 The T² factor (Hinton et al.) keeps the KD gradients on the scale of the CE term's as T changes
 (softening by T shrinks them by about 1/T²).  The loss is the token mean over the response tokens of
 the whole optimizer step (all micro-batches, all ranks), as in sft.py.
