@@ -26,8 +26,8 @@ from common.data import (  # noqa: E402
 )
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_train_engine, deepspeed_config, device,
-    init_distributed, is_rank0, load_causal_lm, load_checkpoint, optimizer_step, save_checkpoint, save_hf_model, set_seed,
-    validate_common_args, world_size_from_env,
+    finish, init_distributed, is_rank0, load_causal_lm, load_checkpoint, optimizer_step, save_checkpoint, save_hf_model,
+    set_seed, validate_common_args, world_size_from_env,
 )
 from common.packing import collate, lockstep_shard, per_sample_sum, to_device, token_logps  # noqa: E402
 from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
@@ -243,3 +243,4 @@ if __name__ == "__main__":
     except ValueError as e:  # argument mistakes: say what to fix, before any model is loaded
         sys.exit(f"error: {e}")
     main(parsed)
+    finish()  # exit without interpreter teardown (see common.engine.finish)

@@ -5,11 +5,14 @@ Plain functions over three small option groups (ModelArgs, TrainArgs, CkptArgs) 
 training script nests into its own `Args`.
 """
 
+import atexit
 import os
 import random
 import re
 import shutil
 import socket
+import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -142,6 +145,26 @@ def init_distributed():
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+
+
+def finish():
+    """End a script whose main() returned: run what a normal interpreter exit runs first (join
+    non-daemon threads; atexit hooks: vLLM engine and Ray shutdown, W&B, logging, multiprocessing
+    children, temporary directories), flush, then os._exit(0).
+
+    Why: C++ background threads outlive main() through Python's teardown and the C++ static
+    destructors: the gloo groups DeepSpeed keeps (two per rank, still running after
+    destroy_process_group), a weight-sync group and its TCPStore, vLLM's zmq threads. torchrun
+    workers occasionally aborted in that teardown ("terminate called without an active
+    exception", SIGABRT) after all their work was done; os._exit skips it. No collective here:
+    ranks may arrive at different times, and a world of one (plain `python`) works the same.
+    Call it from `if __name__ == "__main__":` after main(), so code that calls main() in-process
+    (a test) is never exited, and a main() that raised never reaches the exit code 0."""
+    threading._shutdown()  # what the interpreter runs before the atexit hooks
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def is_rank0():

@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from common.engine import (  # noqa: E402
-    ModelArgs, TrainArgs, create_train_engine, deepspeed_config, init_distributed, load_causal_lm, optimizer_step,
+    ModelArgs, TrainArgs, create_train_engine, deepspeed_config, finish, init_distributed, load_causal_lm, optimizer_step,
 )
 from common.packing import collate, token_logps  # noqa: E402
 from common.vllm_engine import EngineArgs, WeightSync, create_vllm_engine, vllm_sequence_logprobs  # noqa: E402
@@ -44,3 +44,4 @@ if __name__ == "__main__":
             json.dump({"stats": stats, "trainer": trainer, "vllm": vllm_sequence_logprobs(llm, fixed),
                        "vllm_before": cached}, f)
     torch.distributed.barrier()
+    finish()  # exit without interpreter teardown (see common.engine.finish)
