@@ -26,6 +26,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import DataArgs, format_prompt, format_response, load_one, load_tokenizer  # noqa: E402
+from common.engine import finish  # noqa: E402
 from common.remote_reward import make_reward_fn  # noqa: E402
 from common.tracking import progress  # noqa: E402
 from common.vllm_engine import EngineArgs, HFGenerator, SamplingArgs, create_vllm_engine, vllm_generate  # noqa: E402
@@ -274,3 +275,4 @@ if __name__ == "__main__":
     except (ValueError, RuntimeError) as e:  # RuntimeError: the reward server refused or did not answer
         sys.exit(f"error: {e}")
     main(parsed)
+    finish()  # exit without interpreter teardown (see common.engine.finish)

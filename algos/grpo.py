@@ -34,7 +34,7 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common.data import BadRow, format_prompt, load_one, load_tokenizer  # noqa: E402
-from common.engine import CkptArgs, ModelArgs, TrainArgs, accumulation_steps, validate_common_args  # noqa: E402
+from common.engine import CkptArgs, ModelArgs, TrainArgs, accumulation_steps, finish, validate_common_args  # noqa: E402
 from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
 from common.vllm_engine import EngineArgs, SamplingArgs  # noqa: E402
 
@@ -808,3 +808,4 @@ if __name__ == "__main__":
         main(parsed)
     except ValueError as e:  # data mistakes found before training
         sys.exit(f"error: {e}")
+    finish()  # exit without interpreter teardown (see common.engine.finish)
