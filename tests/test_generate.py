@@ -1,8 +1,11 @@
 """algos/generate.py through its CLI: best-of-n, resume, rejection sampling / conditional SFT data
-that sft.py trains on, iterative-DPO pairs that dpo.py trains on, and bad input."""
+that sft.py trains on, iterative-DPO pairs that dpo.py trains on (and launch/iterative_dpo.sh, the loop over them), and bad input."""
 
 import os
+import subprocess
+import sys
 
+import pytest
 from conftest import ROOT, read_jsonl, run_script
 
 REWARD = os.path.join(ROOT, "launch", "rewards", "exact_match.py")
@@ -103,3 +106,56 @@ def test_bad_input(assets, sft_model, tmp_path):
     assert "--post_processor iter_dpo needs --best_of_n >= 2" in proc.stderr
     assert not os.path.exists(tmp_path / "c.jsonl")
 
+
+
+@pytest.fixture(scope="module")
+def loop_start_model(assets, tmp_path_factory):
+    """The tiny Llama after one epoch of SFT on reversal with small batches: greedy exact match ~0.66 (the
+    conftest sft_model, batch 32, is right too rarely to give the loop pairs to learn from)."""
+    out = tmp_path_factory.mktemp("loop_start")
+    run_script("sft.py", [
+        "--pretrain", f"{assets}/llama-0.5m", "--dataset", f"{assets}/data/reverse/sft_train.jsonl",
+        "--input_key", "prompt", "--output_key", "response", "--apply_chat_template", "--max_len", 64,
+        "--train_batch_size", 16, "--micro_train_batch_size", 16, "--learning_rate", 3e-3, "--save_path", out,
+    ])
+    return str(out)
+
+
+def held_out_exact_match(assets, model, out):
+    """Greedy exact match (the mean exact_match.py reward) over the 200 held-out reversal prompts."""
+    run_script("generate.py", ["--pretrain", model, "--dataset", f"{assets}/data/reverse/rl_test.jsonl",
+                               "--input_key", "prompt", "--label_key", "answer", "--apply_chat_template",
+                               "--max_new_tokens", 16, "--temperature", 0, "--reward_func", REWARD, "--backend", "hf",
+                               "--output_path", out])
+    rows = read_jsonl(out)
+    assert len(rows) == 200
+    return sum(r["rewards"][0] for r in rows) / len(rows)
+
+
+def test_iterative_dpo_loop_raises_held_out_reward(assets, loop_start_model, tmp_path):
+    """launch/iterative_dpo.sh, 2 iterations of (4 samples on 128 new train prompts -> exact-match reward ->
+    best vs worst pairs -> DPO from the previous round's model), raises held-out greedy exact match."""
+    out = tmp_path / "loop"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline",
+           "PY": sys.executable,
+           "POLICY": loop_start_model, "PROMPTS": f"{assets}/data/reverse/rl_train.jsonl", "OUT": str(out),
+           "ITERS": "2", "PROMPTS_PER_ITER": "128", "N": "4",
+           # HF generate: at this size faster than starting a vLLM engine on CPU (20 s vs 77 s per call)
+           "GEN_ARGS": "--input_key prompt --apply_chat_template --max_new_tokens 16 --temperature 1.0 --backend hf",
+           # lr 5e-5 with an NLL term on the chosen (correct) response; measured on the held-out set:
+           # pure DPO at lr 1e-4 went 0.66 -> 0.705 -> 0.72 with seed 42 but 0.66 -> 0.575 -> 0.615 with seed 1;
+           # lr 3e-4 -> 0.49 -> 0.595, the script's default lr 1e-3 collapses (7 pairs left in round 2)
+           "DPO_ARGS": "--apply_chat_template --max_len 128 --train_batch_size 8 --micro_train_batch_size 4 "
+                       "--max_epochs 2 --learning_rate 5e-5 --nll_loss_coef 1.0"}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "launch", "iterative_dpo.sh")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.stdout.count("reward: mean") == 2 and f"final policy: {out}/model_1" in proc.stdout
+    for k in range(2):  # round k trained on its own slice of the prompts, with best (reward 1) vs worst (0) pairs
+        assert [r["index"] for r in read_jsonl(out / f"gen_{k}.jsonl")] == list(range(128 * k, 128 * (k + 1)))
+        pairs = read_jsonl(out / f"gen_{k}.iter_dpo.jsonl")
+        assert len(pairs) >= 16 and all(p["margin"] == 1.0 for p in pairs)
+    before = held_out_exact_match(assets, loop_start_model, tmp_path / "eval_start.jsonl")
+    after = [held_out_exact_match(assets, str(out / f"model_{k}"), tmp_path / f"eval_{k}.jsonl") for k in range(2)]
+    # measured by hand (engine/DPO seed 42): 0.66 -> 0.725 -> 0.73; (seed 1): 0.66 -> 0.75 -> 0.745
+    assert after[1] >= before + 0.04, (before, after)
