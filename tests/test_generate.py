@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 from conftest import ROOT, read_jsonl, run_script
 
 REWARD = os.path.join(ROOT, "launch", "rewards", "exact_match.py")
@@ -107,20 +106,6 @@ def test_bad_input(assets, sft_model, tmp_path):
     assert not os.path.exists(tmp_path / "c.jsonl")
 
 
-
-@pytest.fixture(scope="module")
-def loop_start_model(assets, tmp_path_factory):
-    """The tiny Llama after one epoch of SFT on reversal with small batches: greedy exact match ~0.66 (the
-    conftest sft_model, batch 32, is right too rarely to give the loop pairs to learn from)."""
-    out = tmp_path_factory.mktemp("loop_start")
-    run_script("sft.py", [
-        "--pretrain", f"{assets}/llama-0.5m", "--dataset", f"{assets}/data/reverse/sft_train.jsonl",
-        "--input_key", "prompt", "--output_key", "response", "--apply_chat_template", "--max_len", 64,
-        "--train_batch_size", 16, "--micro_train_batch_size", 16, "--learning_rate", 3e-3, "--save_path", out,
-    ])
-    return str(out)
-
-
 def held_out_exact_match(assets, model, out):
     """Greedy exact match (the mean exact_match.py reward) over the 200 held-out reversal prompts."""
     run_script("generate.py", ["--pretrain", model, "--dataset", f"{assets}/data/reverse/rl_test.jsonl",
@@ -132,13 +117,13 @@ def held_out_exact_match(assets, model, out):
     return sum(r["rewards"][0] for r in rows) / len(rows)
 
 
-def test_iterative_dpo_loop_raises_held_out_reward(assets, loop_start_model, tmp_path):
+def test_iterative_dpo_loop_raises_held_out_reward(assets, rl_start_model, tmp_path):
     """launch/iterative_dpo.sh, 2 iterations of (4 samples on 128 new train prompts -> exact-match reward ->
     best vs worst pairs -> DPO from the previous round's model), raises held-out greedy exact match."""
     out = tmp_path / "loop"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline",
            "PY": sys.executable,
-           "POLICY": loop_start_model, "PROMPTS": f"{assets}/data/reverse/rl_train.jsonl", "OUT": str(out),
+           "POLICY": rl_start_model, "PROMPTS": f"{assets}/data/reverse/rl_train.jsonl", "OUT": str(out),
            "ITERS": "2", "PROMPTS_PER_ITER": "128", "N": "4",
            # HF generate: at this size faster than starting a vLLM engine on CPU (20 s vs 77 s per call)
            "GEN_ARGS": "--input_key prompt --apply_chat_template --max_new_tokens 16 --temperature 1.0 --backend hf",
@@ -155,7 +140,7 @@ def test_iterative_dpo_loop_raises_held_out_reward(assets, loop_start_model, tmp
         assert [r["index"] for r in read_jsonl(out / f"gen_{k}.jsonl")] == list(range(128 * k, 128 * (k + 1)))
         pairs = read_jsonl(out / f"gen_{k}.iter_dpo.jsonl")
         assert len(pairs) >= 16 and all(p["margin"] == 1.0 for p in pairs)
-    before = held_out_exact_match(assets, loop_start_model, tmp_path / "eval_start.jsonl")
+    before = held_out_exact_match(assets, rl_start_model, tmp_path / "eval_start.jsonl")
     after = [held_out_exact_match(assets, str(out / f"model_{k}"), tmp_path / f"eval_{k}.jsonl") for k in range(2)]
     # measured by hand (engine/DPO seed 42): 0.66 -> 0.725 -> 0.73; (seed 1): 0.66 -> 0.75 -> 0.745
     assert after[1] >= before + 0.04, (before, after)

@@ -116,18 +116,6 @@ def test_step_loss_is_invariant_to_micro_batches_and_ranks(assets, estimator, lo
 # ----------------------------------------------------------------------------------------------
 # End to end: python algos/grpo.py (Ray driver) with 2 trainer ranks and one vLLM engine
 # ----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def rl_start(assets, tmp_path_factory):
-    """The tiny Llama after one epoch of SFT on reversal with small batches: greedy exact match ~0.66."""
-    out = tmp_path_factory.mktemp("rl_start")
-    run_script("sft.py", [
-        "--pretrain", f"{assets}/llama-0.5m", "--dataset", f"{assets}/data/reverse/sft_train.jsonl",
-        "--input_key", "prompt", "--output_key", "response", "--apply_chat_template", "--max_len", 64,
-        "--train_batch_size", 16, "--micro_train_batch_size", 16, "--learning_rate", 3e-3, "--save_path", out,
-    ])
-    return str(out)
-
-
 def grpo_args(assets, model, tmp, *extra, reward=REWARD):
     return ["--pretrain", model, "--prompt_data", f"{assets}/data/reverse/rl_train.jsonl",
             "--eval_dataset", f"{assets}/data/reverse/rl_test.jsonl", "--input_key", "prompt", "--label_key", "answer",
@@ -144,8 +132,8 @@ def check_vllm_matches_trainer(metrics):
     assert diffs and max(diffs) <= 1e-4, diffs
 
 
-def test_grpo_learns_reversal(assets, rl_start, tmp_path):
-    run_script("grpo.py", grpo_args(assets, rl_start, tmp_path, "--rollout_batch_size", 64, "--train_batch_size", 256,
+def test_grpo_learns_reversal(assets, rl_start_model, tmp_path):
+    run_script("grpo.py", grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 64, "--train_batch_size", 256,
                                     "--max_epochs", 2, "--actor_learning_rate", 1e-4, "--max_steps", 30,
                                     "--eval_steps", 30), timeout=900)
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
@@ -170,14 +158,14 @@ ESTIMATOR_RUNS = {
 
 
 @pytest.mark.parametrize("name", list(ESTIMATOR_RUNS))
-def test_estimators_raise_reward(assets, rl_start, tmp_path, name):
+def test_estimators_raise_reward(assets, rl_start_model, tmp_path, name):
     extra, reward, server = list(ESTIMATOR_RUNS[name]), REWARD, None
     if "http_reward" in name:  # the reward served over loopback with a token, as a remote verifier would be
         from common.remote_reward import make_reward_fn, serve_rewards
 
         server = serve_rewards(make_reward_fn(REWARD), token="secret-token")
         reward, extra = server.url, extra + ["--remote_rm_token", "secret-token"]
-    args = grpo_args(assets, rl_start, tmp_path, "--rollout_batch_size", 32, "--train_batch_size", 128,
+    args = grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 32, "--train_batch_size", 128,
                      "--max_epochs", 2, "--actor_learning_rate", 1e-4, "--max_steps", 12, "--eval_steps", 12, *extra,
                      reward=reward)
     try:
@@ -195,9 +183,9 @@ def test_estimators_raise_reward(assets, rl_start, tmp_path, name):
         assert "sleep skipped" in proc.stdout + proc.stderr
 
 
-def test_resume_continues_the_same_run(assets, rl_start, tmp_path):
+def test_resume_continues_the_same_run(assets, rl_start_model, tmp_path):
     def run(*extra):
-        return run_script("grpo.py", grpo_args(assets, rl_start, tmp_path, "--rollout_batch_size", 16, "--train_batch_size",
+        return run_script("grpo.py", grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size",
                                                64, "--actor_learning_rate", 1e-4, "--max_samples", 256, "--max_steps", 4,
                                                "--save_steps", 2, "--ckpt_path", tmp_path / "ckpt", *extra), timeout=900)
 
@@ -215,8 +203,8 @@ def test_resume_continues_the_same_run(assets, rl_start, tmp_path):
     check_vllm_matches_trainer(list(resumed.values()))  # the engine got the resumed weights before step 3
 
 
-def test_bad_input(assets, rl_start, tmp_path):
-    base = grpo_args(assets, rl_start, tmp_path, "--rollout_batch_size", 16, "--train_batch_size", 64, "--max_steps", 1)
+def test_bad_input(assets, rl_start_model, tmp_path):
+    base = grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size", 64, "--max_steps", 1)
     proc = run_script("grpo.py", base + ["--n_samples_per_prompt", 1], expect_ok=False)
     assert proc.returncode != 0 and "set --n_samples_per_prompt >= 2" in proc.stderr
     assert "Ray" not in proc.stdout + proc.stderr.split("error:")[0]  # refused before Ray started
@@ -225,7 +213,7 @@ def test_bad_input(assets, rl_start, tmp_path):
     raising = tmp_path / "raising_reward.py"
     raising.write_text("def reward_func(queries, prompts, labels):\n"
                        "    return [1.0 / (len(label) - 7) for label in labels]  # a label of 7 characters divides by 0\n")
-    proc = run_script("grpo.py", grpo_args(assets, rl_start, tmp_path, "--rollout_batch_size", 16, "--train_batch_size",
+    proc = run_script("grpo.py", grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size",
                                            64, "--max_steps", 1, reward=raising), expect_ok=False, timeout=900)
     assert proc.returncode != 0 and str(raising) in proc.stderr and "ZeroDivisionError" in proc.stderr
     assert "sample" in proc.stderr
