@@ -29,9 +29,9 @@ the full divergence.
 --teacher_cache DIR (off-policy only): the teacher's top-K logits (all logits with K = 0) of every
 response token of the training and eval sets are computed once, sharded over the ranks, and stored
 in DIR/<key>/, then the teacher is freed; later runs with the same key load them.  The key is a
-SHA-256 of: the teacher's config.json and weight files (their bytes), the tokenized data's
-fingerprint (raw data, tokenizer, chat template, --input_key/--output_key/--max_len and the row
-function's source), K, the vocabulary size, the dtype and the attention kernel.  Raw logits are
+SHA-256 of: the teacher's config.json and weight files (their bytes), the tokenized data (a SHA-256
+of every row's token ids and loss mask, in order), K, the vocabulary size, the dtype and the
+attention kernel.  Raw logits are
 stored, so one cache serves every --temperature, --divergence and --kd_coef.
 
 On-policy (--lmbda > 0): at each step, with probability --lmbda (the same draw on every rank), rank 0
@@ -89,7 +89,7 @@ class Args:
     log: LogArgs = field(default_factory=LogArgs)
     vllm: StudentEngineArgs = field(default_factory=StudentEngineArgs)
     teacher_model: str = tyro.MISSING
-    """Teacher: Hugging Face causal-LM directory (or hub name) with the student's tokenizer (required)."""
+    """Teacher: Hugging Face causal-LM directory (or hub name); its vocabulary equals the student's or extends it (required)."""
     teacher_offload: bool = False
     """Keep the teacher's parameters on the CPU (ZeRO-3 inference)."""
     output_key: str = "output"
@@ -122,6 +122,8 @@ def parse_args(argv=None):
     args = tyro.cli(Args, args=argv, config=(tyro.conf.OmitArgPrefixes,), use_underscores=True, description=__doc__)
     validate_common_args(args.model, args.train, args.ckpt, world_size_from_env())
     validate_data_args(args.data)
+    if args.model.aux_loss_coef > 0:
+        raise ValueError("--aux_loss_coef (MoE load balancing) is not implemented in distill.py")
     if not 0 <= args.kd_coef <= 1:
         raise ValueError(f"--kd_coef must be in [0, 1], got {args.kd_coef}")
     if not 0 <= args.jsd_beta <= 1:
@@ -281,10 +283,24 @@ def teacher_fingerprint(path):
     return digest.hexdigest()
 
 
+def data_fingerprint(ds):
+    """SHA-256 of the tokenized rows (token ids and loss masks, in order)."""
+    import pyarrow.compute as pc
+
+    digest = hashlib.sha256()
+    for table in ds.with_format("arrow").iter(batch_size=4096):
+        for column in ("input_ids", "loss_mask"):
+            values = table.column(column).combine_chunks()
+            digest.update(pc.list_value_length(values).to_numpy(zero_copy_only=False).tobytes())
+            digest.update(values.flatten().to_numpy(zero_copy_only=False).tobytes())
+    return digest.hexdigest()
+
+
 def cached_teacher(load_teacher, ds, cache_dir, key_parts, args: Args, vocab, batch_fn):
     """Per-sample teacher (logits, ids) of `ds`: loaded from cache_dir/<key>/ when it is complete,
     else computed (each rank its lockstep shard; load_teacher() gives the teacher) and saved there."""
-    key = hashlib.sha256(json.dumps({**key_parts, "data": ds._fingerprint}, sort_keys=True).encode()).hexdigest()[:24]
+    key_parts = {**key_parts, "data": data_fingerprint(ds)}
+    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:24]
     path = os.path.join(cache_dir, key)
     rank, world = dist.get_rank(), dist.get_world_size()
     hit = [os.path.exists(os.path.join(path, "meta.json"))]  # written last: a torn cache is recomputed
@@ -308,7 +324,7 @@ def cached_teacher(load_teacher, ds, cache_dir, key_parts, args: Args, vocab, ba
         dist.barrier()
         if rank == 0:
             with open(os.path.join(path, "meta.json.tmp"), "w") as f:
-                json.dump({**key_parts, "data": ds._fingerprint, "shards": world, "samples": len(ds)}, f, indent=1)
+                json.dump({**key_parts, "shards": world, "samples": len(ds)}, f, indent=1)
             os.replace(os.path.join(path, "meta.json.tmp"), os.path.join(path, "meta.json"))
     dist.barrier()
     with open(os.path.join(path, "meta.json")) as f:

@@ -156,12 +156,13 @@ def teacher(assets, tmp_path_factory):
 
 def test_distillation_learns(assets, teacher, tmp_path):
     """The untrained 0.5M student, 60 steps of 32 on the teacher's task with KD + CE (--kd_coef 0.5):
-    its held-out KL to the teacher falls by far more than half, and it ends about as close to the
-    teacher as the same student trained with CE alone (--kd_coef 0).  KD does not beat CE on greedy
-    exact match at this scale: the trained teacher is nearly one-hot on this deterministic task, so
-    its soft targets carry little beyond the labels, and it is wrong on ~12% of held-out prompts.
-    Measured (exact match, KD vs CE): 0.205 vs 0.205 with a 0.89 teacher trained by sft.py;
-    pure KD (--kd_coef 1) 0.185 vs 0.205 with that teacher, 0.115 vs 0.205 with this fixture's."""
+    its held-out KL to the teacher falls by far more than half (measured 5.64 -> 0.80), and it ends
+    closer to the teacher, with a lower held-out NLL and a higher next-token accuracy than the same
+    student trained with CE alone (--kd_coef 0; KL 0.86, NLL 0.93 vs 0.87, accuracy 0.726 vs 0.762).
+    Greedy exact match is only level (measured KD 0.215, CE 0.205, teacher 0.88): the trained teacher
+    is nearly one-hot on this deterministic task, so its soft targets carry little beyond the labels
+    (pure KD, --kd_coef 1, measured 0.115 vs CE 0.205), and 2 prompts of 200 are within noise, so the
+    test asserts exact match no worse than CE's by more than that."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from common.tiny import exact_match
@@ -185,8 +186,10 @@ def test_distillation_learns(assets, teacher, tmp_path):
           f"exact match: {accuracy}")
     assert accuracy["teacher"] >= 0.7, accuracy
     assert last["kd"]["eval/kd"] <= 0.5 * first["kd"]["eval/kd"], (first["kd"], last["kd"])
-    assert last["kd"]["eval/kd"] <= 1.1 * last["ce"]["eval/kd"], report
-    assert accuracy["kd"] >= 0.05 and accuracy["ce"] >= 0.05, accuracy
+    assert last["kd"]["eval/kd"] < last["ce"]["eval/kd"], report
+    assert last["kd"]["eval/nll"] < last["ce"]["eval/nll"], report
+    assert last["kd"]["eval/token_accuracy"] > last["ce"]["eval/token_accuracy"], report
+    assert accuracy["kd"] >= accuracy["ce"] - 0.01 and accuracy["kd"] >= 0.1, accuracy
 
 
 def test_on_policy_with_vllm(assets, teacher, tmp_path):
