@@ -122,8 +122,9 @@ def test_cached_teacher_equals_live(assets, tmp_path):
 @pytest.fixture(scope="module")
 def teacher(assets, tmp_path_factory):
     """llama-10m after SFT on string reversal: sft.py's rows and loss (token-mean NLL of the response),
-    150 steps of 32 samples, AdamW lr 1e-3 after 10 warmup steps, in a plain loop: sft.py through
-    DeepSpeed cost about 4x the CPU time per step of this loop on the 2-core test machine."""
+    150 steps of 32 samples, AdamW lr 1e-3 after 10 warmup steps, in a plain loop (sft.py through
+    DeepSpeed cost several times the CPU time per step on the 2-core test machine), on one thread:
+    two OpenMP threads spin-waiting against other processes on 2 cores slowed it up to ~10x."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from common.packing import collate, token_logps
@@ -138,6 +139,8 @@ def teacher(assets, tmp_path_factory):
     model = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-10m", attn_implementation="sdpa").train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
     order = torch.randperm(len(samples)).tolist() * 3
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     for step in range(150):
         for group in optimizer.param_groups:
             group["lr"] = 1e-3 * min(1.0, (step + 1) / 10)
@@ -148,6 +151,7 @@ def teacher(assets, tmp_path_factory):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    torch.set_num_threads(threads)
     out = tmp_path_factory.mktemp("teacher")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
