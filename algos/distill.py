@@ -65,7 +65,7 @@ from common.data import (  # noqa: E402
 )
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
-    deepspeed_config, deepspeed_eval_config, default_attn_implementation, device, init_distributed, is_rank0, load_causal_lm, load_checkpoint,
+    deepspeed_config, deepspeed_eval_config, default_attn_implementation, device, finish, init_distributed, is_rank0, load_causal_lm, load_checkpoint,
     optimizer_step, save_checkpoint, save_hf_model, set_seed, validate_common_args, world_size_from_env,
 )
 from common.packing import collate, lockstep_shard, to_device  # noqa: E402
@@ -570,3 +570,4 @@ if __name__ == "__main__":
     except ValueError as e:  # argument mistakes: say what to fix, before any model is loaded
         sys.exit(f"error: {e}")
     main(parsed)
+    finish()  # exit without interpreter teardown (see common.engine.finish)
