@@ -70,7 +70,7 @@ from common.engine import (  # noqa: E402
 )
 from common.packing import collate, lockstep_shard, to_device  # noqa: E402
 from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
-from common.vllm_engine import EngineArgs, SamplingArgs, WeightSync, create_vllm_engine, vllm_generate  # noqa: E402
+from common.vllm_engine import EngineArgs, SamplingArgs, create_vllm_engine, vllm_generate  # noqa: E402
 
 
 @dataclass
@@ -476,8 +476,10 @@ def main(args: Args):
     engine = create_train_engine(model, args.train, ds_config, total_steps)
     llm = sync = None
     if args.lmbda > 0:  # the student's sampler: a vLLM engine on rank 0, fed the trainer's weights
+        from common.weight_sync import WeightSync  # imports vLLM: only for on-policy runs
+
         llm = create_vllm_engine(args.model.pretrain, args.vllm) if rank == 0 else None
-        sync = WeightSync([llm] if llm is not None else [])
+        sync = WeightSync([llm] if llm is not None else [], tp_size=args.vllm.tp_size)
     start_step = 0
     if args.ckpt.load_checkpoint:
         state = load_checkpoint(engine, args.ckpt.ckpt_path)

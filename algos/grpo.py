@@ -411,9 +411,10 @@ class PolicyTrainer:
         return True
 
     def setup_weight_sync(self, engines):
-        from common.vllm_engine import WeightSync
+        from common.weight_sync import WeightSync
 
-        self.weight_sync = WeightSync(engines if self.rank == 0 else [])
+        self.weight_sync = WeightSync(engines if self.rank == 0 else [], colocated=self.args.colocate_all_models,
+                                      tp_size=self.args.engine.tp_size)
         return True
 
     def sync_weights(self):
@@ -576,7 +577,8 @@ def place_models(args, world, pad_id):
         options = {"scheduling_strategy": in_bundle(i * args.engine.tp_size)} if args.colocate_all_models else {}
         engines.append(create_vllm_actor(args.model.pretrain, args.engine, num_cpus=cpus if args.colocate_all_models else 1,
                                          num_gpus=(share * args.engine.tp_size) if gpu else 0,
-                                         enable_sleep=args.vllm_enable_sleep, options=options))
+                                         enable_sleep=args.vllm_enable_sleep, colocated=args.colocate_all_models,
+                                         options=options))
     reward_models = None
     if args.reward_pretrain:
         options = {"scheduling_strategy": in_bundle(0)} if args.colocate_all_models else {}

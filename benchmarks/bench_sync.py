@@ -2,7 +2,8 @@
 
     python benchmarks/bench_sync.py --model assets/llama-10m
 
-Prints (1) WeightSync.sync MB/s (gather + bucketed broadcast + vLLM reload + prefix-cache reset)
+Prints (1) WeightSync.sync MB/s (gather + bucketed broadcast + vLLM layerwise reload + prefix-cache
+reset, through vLLM's weight-transfer API)
 against a raw broadcast of the same bytes over the same gloo group, and (2) generation tokens/s for
 a batch of prompts with n samples each. Run it on an idle machine: on CPU everything shares cores.
 """
@@ -16,9 +17,8 @@ import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.vllm_engine import (  # noqa: E402
-    EngineArgs, SamplingArgs, WeightSync, _broadcast_from_0, _in_thread, _rpc, create_vllm_engine, vllm_generate,
-)
+from common.vllm_engine import EngineArgs, SamplingArgs, create_vllm_engine, vllm_generate  # noqa: E402
+from common.weight_sync import WeightSync, _broadcast_from_0, _in_thread  # noqa: E402
 
 
 @dataclass
@@ -50,11 +50,11 @@ if __name__ == "__main__":
         stats = sync.sync(model)
     sync_s = (time.time() - t0) / args.repeats
     numel = stats["bytes"] // 4
-    receiving = _in_thread(_rpc, llm, "receive_raw", numel, args.repeats)
+    receiving = _in_thread(llm.collective_rpc, "receive_raw", None, (numel, args.repeats))
     flat = torch.randn(numel)
     t0 = time.time()
     for _ in range(args.repeats):
-        _broadcast_from_0(sync.group, flat)
+        _broadcast_from_0(sync.transfer.group, flat)
     receiving.result()
     raw_s = (time.time() - t0) / args.repeats
     mb = stats["bytes"] / 2**20

@@ -9,9 +9,9 @@ import torch
 from conftest import ROOT
 
 from common.vllm_engine import (
-    EngineArgs, HFGenerator, SamplingArgs, WeightSync, create_vllm_actor, create_vllm_engine, gathered_hf_weights,
-    vllm_generate, vllm_sequence_logprobs,
+    EngineArgs, HFGenerator, SamplingArgs, create_vllm_actor, create_vllm_engine, vllm_generate, vllm_sequence_logprobs,
 )
+from common.weight_sync import GLOO_BACKEND, HFWeightSource, WeightSync
 
 ENGINE = EngineArgs(vllm_gpu_memory_utilization=0.05, max_model_len=256)
 PROMPTS = ["reverse: a b c", "add: 1 2 + 3", "reverse: h g f e"]
@@ -94,6 +94,7 @@ def test_weight_sync_updates_logprobs_and_prefix_cache(tiny, llm):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+    assert llm.llm_engine.vllm_config.weight_transfer_config.backend == GLOO_BACKEND  # vLLM's weight-transfer API
     sync = WeightSync([llm], bucket_bytes=256 << 10)  # small buckets: several broadcasts
     stats = sync.sync(model)
     params = list(model.named_parameters())
@@ -116,8 +117,9 @@ def test_lora_weights_are_merged_on_sync(tiny, llm):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)  # B starts at zero; make the adapter matter
-    names = [n for n, _ in gathered_hf_weights(model)]
-    assert names == [n for n, _ in AutoModelForCausalLM.from_pretrained(path).named_parameters()]
+    source = HFWeightSource(model)
+    names = [m.name for m in source.metadata()]
+    assert names == [n for n, _ in source] == [n for n, _ in AutoModelForCausalLM.from_pretrained(path).named_parameters()]
     WeightSync([llm]).sync(model)
     sequences = [p + [40, 41] for p in prompts]
     assert max_diff(hf_logprobs(model, sequences), vllm_sequence_logprobs(llm, sequences)) <= 1e-4
