@@ -479,7 +479,7 @@ def main(args: Args):
         from common.weight_sync import WeightSync  # imports vLLM: only for on-policy runs
 
         llm = create_vllm_engine(args.model.pretrain, args.vllm) if rank == 0 else None
-        sync = WeightSync([llm] if llm is not None else [], tp_size=args.vllm.tp_size)
+        sync = WeightSync([llm] if llm is not None else [], colocated=True, tp_size=args.vllm.tp_size)
     start_step = 0
     if args.ckpt.load_checkpoint:
         state = load_checkpoint(engine, args.ckpt.ckpt_path)

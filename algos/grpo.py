@@ -411,10 +411,12 @@ class PolicyTrainer:
         return True
 
     def setup_weight_sync(self, engines):
+        import ray
+
         from common.weight_sync import WeightSync
 
         self.weight_sync = WeightSync(engines if self.rank == 0 else [], colocated=self.args.colocate_all_models,
-                                      tp_size=self.args.engine.tp_size)
+                                      tp_size=self.args.engine.tp_size, host=ray.util.get_node_ip_address())
         return True
 
     def sync_weights(self):

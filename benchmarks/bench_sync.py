@@ -43,7 +43,7 @@ if __name__ == "__main__":
 
     llm = create_vllm_engine(args.model, EngineArgs(max_model_len=256))
     model = AutoModelForCausalLM.from_pretrained(args.model)
-    sync = WeightSync([llm], bucket_bytes=args.bucket_mb << 20)
+    sync = WeightSync([llm], colocated=True, bucket_bytes=args.bucket_mb << 20)
     sync.sync(model)  # warm-up
     t0 = time.time()
     for _ in range(args.repeats):

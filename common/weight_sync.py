@@ -293,9 +293,10 @@ class EngineClient:
 class WeightSync:
     """Pushes the trainer's weights into vLLM engines (in-process LLMs or VLLMActor handles).
     Create and call `sync(model)` on every trainer rank (ZeRO-3 gathers need them all), with the
-    engines on rank 0 and [] elsewhere; `colocated` and `tp_size` as the engines were created."""
+    engines on rank 0 and [] elsewhere; `colocated` and `tp_size` as the engines were created
+    (create_vllm_engine / create_vllm_actor): they pick the transport on CUDA."""
 
-    def __init__(self, engines, colocated=False, tp_size=1, host="127.0.0.1", bucket_bytes=64 << 20):
+    def __init__(self, engines, *, colocated, tp_size=1, host="127.0.0.1", bucket_bytes=64 << 20):
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
@@ -310,7 +311,7 @@ class WeightSync:
         elif backend == "nccl":
             info = NCCLTrainerInitInfo(host, port, world, rank=rank)
         else:
-            info = IPCTrainerInitInfo(rank=rank)
+            info = IPCTrainerInitInfo(rank=rank, packed=True)  # bounded memory: chunks through one buffer
         self.source = HFWeightSource()
         self.transfer = WeightTransferTrainerFactory.trainer_init(info, client=EngineClient(engines, tp_size), source=self.source)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU-only checks (flash-attention packing, bf16, NCCL), a few minutes on one GPU, in an
+# The GPU-only checks (flash-attention packing, bf16, CUDA-IPC weight sync into vLLM), a few minutes on one GPU, in an
 # environment installed from requirements-gpu.txt (see README). Builds the tiny assets first.
 set -euo pipefail
 cd "$(dirname "$0")/.."

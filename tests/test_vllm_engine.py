@@ -95,7 +95,7 @@ def test_weight_sync_updates_logprobs_and_prefix_cache(tiny, llm):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     assert llm.llm_engine.vllm_config.weight_transfer_config.backend == GLOO_BACKEND  # vLLM's weight-transfer API
-    sync = WeightSync([llm], bucket_bytes=256 << 10)  # small buckets: several broadcasts
+    sync = WeightSync([llm], colocated=True, bucket_bytes=256 << 10)  # small buckets: several broadcasts
     stats = sync.sync(model)
     params = list(model.named_parameters())
     assert stats["tensors"] == len(params) == 21
@@ -120,7 +120,7 @@ def test_lora_weights_are_merged_on_sync(tiny, llm):
     source = HFWeightSource(model)
     names = [m.name for m in source.metadata()]
     assert names == [n for n, _ in source] == [n for n, _ in AutoModelForCausalLM.from_pretrained(path).named_parameters()]
-    WeightSync([llm]).sync(model)
+    WeightSync([llm], colocated=True).sync(model)
     sequences = [p + [40, 41] for p in prompts]
     assert max_diff(hf_logprobs(model, sequences), vllm_sequence_logprobs(llm, sequences)) <= 1e-4
 
@@ -130,7 +130,7 @@ def test_hf_backend_matches_vllm_greedy(tiny, llm):
 
     path, tokenizer, prompts = tiny
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    WeightSync([llm]).sync(model)  # earlier tests changed the engine's weights
+    WeightSync([llm], colocated=True).sync(model)  # earlier tests changed the engine's weights
     greedy = SamplingArgs(temperature=0.0, max_new_tokens=12, ignore_eos=True)
     hf = HFGenerator(model, tokenizer).generate(prompts, greedy)
     vl = vllm_generate(llm, prompts, greedy)
@@ -156,7 +156,7 @@ def test_engine_in_ray_actor_generates_and_syncs(tiny):
                 assert (hf - torch.tensor(s.logprobs)).abs().max().item() <= 1e-4
         with torch.no_grad():
             model.lm_head.weight.mul_(1.5)
-        stats = WeightSync([actor]).sync(model)
+        stats = WeightSync([actor], colocated=False).sync(model)
         assert stats["tensors"] == 21
         sequences = [p + [50, 51] for p in prompts]
         assert max_diff(hf_logprobs(model, sequences), ray.get(actor.sequence_logprobs.remote(sequences))) <= 1e-4
@@ -165,22 +165,41 @@ def test_engine_in_ray_actor_generates_and_syncs(tiny):
         os.environ.pop("RAY_ADDRESS", None)
 
 
-@pytest.mark.parametrize("zero_stage,lora_rank", [(2, 0), (3, 4)])
-def test_sync_from_deepspeed_trainer_on_two_ranks(tiny, tmp_path, zero_stage, lora_rank):
-    """torchrun, 2 ranks: 3 DeepSpeed steps, then rank 0 pushes (ZeRO-3 gathered, LoRA merged)
-    into its vLLM engine; vLLM's log-probs equal the trainer's, also for prefixes cached before."""
+def run_zero_sync_check(model_path, tmp_path, nproc, zero_stage, lora_rank):
+    """tests/scripts/zero_sync_check.py under torchrun; its JSON result."""
     import json
     import subprocess
     import sys
 
     out = tmp_path / "result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           os.path.join(ROOT, "tests", "scripts", "zero_sync_check.py"), tiny[0], str(zero_stage),
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                           os.path.join(ROOT, "tests", "scripts", "zero_sync_check.py"), model_path, str(zero_stage),
                            str(lora_rank), str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("zero_stage,lora_rank", [(2, 0), (3, 4)])
+def test_sync_from_deepspeed_trainer_on_two_ranks(tiny, tmp_path, zero_stage, lora_rank):
+    """torchrun, 2 ranks: 3 DeepSpeed steps, then rank 0 pushes (ZeRO-3 gathered, LoRA merged)
+    into its vLLM engine; vLLM's log-probs equal the trainer's, also for prefixes cached before."""
+    result = run_zero_sync_check(tiny[0], tmp_path, 2, zero_stage, lora_rank)
+    assert result["backend"] == GLOO_BACKEND
     assert result["stats"]["tensors"] == 21 and result["stats"]["bytes"] == 1622528  # every weight, fp32
     trainer, vllm, before = result["trainer"], result["vllm"], result["vllm_before"]
     assert max(abs(a - b) for t, v in zip(trainer, vllm) for a, b in zip(t, v)) <= 1e-4
     assert max(abs(a - b) for t, v in zip(before, vllm) for a, b in zip(t, v)) > 1e-3  # training moved them
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's CUDA-IPC weight transfer needs CUDA")
+def test_sync_on_cuda_through_vllm_ipc(tiny, tmp_path):
+    """One GPU: a bf16 ZeRO-3 + LoRA trainer and its in-process engine share the device, so the weights
+    travel through vLLM's own CUDA-IPC backend; vLLM's log-probs equal the trainer's to bf16 precision."""
+    result = run_zero_sync_check(tiny[0], tmp_path, 1, 3, 4)
+    assert result["backend"] == "ipc"
+    assert result["stats"]["tensors"] == 21 and result["stats"]["bytes"] == 1622528 // 2  # every weight, bf16
+    trainer, vllm, before = result["trainer"], result["vllm"], result["vllm_before"]
+    assert max(abs(a - b) for t, v in zip(trainer, vllm) for a, b in zip(t, v)) <= 0.05
+    assert max(abs(a - b) for t, v in zip(before, vllm) for a, b in zip(t, v)) > 0.05

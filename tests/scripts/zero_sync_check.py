@@ -25,7 +25,7 @@ if __name__ == "__main__":
     model = load_causal_lm(ModelArgs(pretrain=model_path, lora_rank=lora_rank), ds_config)
     engine = create_train_engine(model, train, ds_config, num_training_steps=3)
     llm = create_vllm_engine(model_path, EngineArgs(vllm_gpu_memory_utilization=0.05, max_model_len=128)) if rank == 0 else None
-    sync = WeightSync([llm] if llm else [])
+    sync = WeightSync([llm] if llm else [], colocated=True)  # in-process: the trainer's device
     sequences = [[3, 100 + i, 101, 102, 103, 104, 105 + rank] for i in range(2)]
     for _ in range(3):  # a few real optimizer steps, so the weights differ from the checkpoint
         batch = collate([{"input_ids": s, "loss_mask": [1] * len(s)} for s in sequences], 0, max_tokens=64)
@@ -42,7 +42,8 @@ if __name__ == "__main__":
     if rank == 0:
         trainer = [logps[r, s + 1 : s + n].tolist() for r, s, n in batch["spans"]]
         with open(out_file, "w") as f:
-            json.dump({"stats": stats, "trainer": trainer, "vllm": vllm_sequence_logprobs(llm, fixed),
+            json.dump({"stats": stats, "backend": llm.llm_engine.vllm_config.weight_transfer_config.backend,
+                       "trainer": trainer, "vllm": vllm_sequence_logprobs(llm, fixed),
                        "vllm_before": cached}, f)
     torch.distributed.barrier()
     finish()  # exit without interpreter teardown (see common.engine.finish)
