@@ -63,7 +63,9 @@ def _gather(params):
 class HFWeightSource(WeightSource):
     """Every weight of `model` (a DeepSpeed engine or a module) under its HF name. Iterating
     gathers one layer at a time under ZeRO-3 (a collective: every trainer rank iterates) and folds
-    LoRA adapters into their base weights (W + scaling * B @ A); each yielded tensor is a copy."""
+    LoRA adapters into their base weights (W + scaling * B @ A). Tensors yielded from a ZeRO-3
+    gather are copies (the gathered storage goes when the layer is re-partitioned); others are the
+    live parameters, valid until the next optimizer step."""
 
     def __init__(self, model=None):
         self.module = getattr(model, "module", model)
@@ -89,12 +91,15 @@ class HFWeightSource(WeightSource):
 
     def __iter__(self):
         for name, params, adapters in self._layers():
+            gathered = any(hasattr(p, "ds_id") for p in params.values())
             with _gather(list(params.values()) + [w for a, b, _ in adapters for w in (a, b)]):
                 for pname, p in params.items():
                     t = p.data.detach()
                     if pname == "weight" and adapters:
                         t = (t.float() + sum(s * (b.data.float() @ a.data.float()) for a, b, s in adapters)).to(p.dtype)
-                    yield _hf_name(f"{name}.{pname}"), t.clone()
+                    elif gathered:
+                        t = t.clone()
+                    yield _hf_name(f"{name}.{pname}"), t
 
 
 def _buckets(meta, bucket_bytes):
