@@ -111,7 +111,8 @@ def parse_args(argv=None):
     if args.reward_threshold is not None and args.post_processor != "rs":
         raise ValueError("--reward_threshold applies to --post_processor rs only")
     if args.reward_func or args.remote_rm_url:  # fail now, not after generating: an empty batch loads the file
-        make_reward_fn(args.reward_func or args.remote_rm_url, args.remote_rm_token)([], [], [])  # or asks the server
+        make_reward_fn(args.reward_func or args.remote_rm_url, args.remote_rm_token,  # or asks the server
+                       flag="--reward_func" if args.reward_func else "--remote_rm_url")([], [], [])
     if args.input_template is not None and "{}" not in args.input_template:
         raise ValueError(f"--input_template must contain '{{}}', got {args.input_template!r}")
     if args.processed_path is None and args.post_processor != "none":
@@ -223,8 +224,8 @@ def main(args: Args):
     todo = [p for p in prompts if p["index"] not in done]
     print(f"{len(prompts)} prompts, {len(prompts) - len(todo)} already in {args.output_path}, {len(todo)} to generate")
 
-    reward_spec = args.reward_func or args.remote_rm_url
-    reward_fn = make_reward_fn(reward_spec, args.remote_rm_token) if reward_spec else None
+    reward_spec, reward_flag = (args.reward_func, "--reward_func") if args.reward_func else (args.remote_rm_url, "--remote_rm_url")
+    reward_fn = make_reward_fn(reward_spec, args.remote_rm_token, flag=reward_flag) if reward_spec else None
     reward_models, rm_tokenizer = [], None
     if args.reward_pretrain:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer

@@ -203,7 +203,7 @@ def parse_args(argv=None):
     if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
         from common.remote_reward import load_reward_func
 
-        load_reward_func(args.remote_rm_url)  # a missing file or function fails now, not after the models load
+        load_reward_func(args.remote_rm_url, "--remote_rm_url")  # a missing file or function fails now, not after the models load
     if args.engine.max_model_len < args.prompt_max_len + args.generate_max_len:
         raise ValueError(f"--max_model_len {args.engine.max_model_len} must be >= --prompt_max_len "
                          f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len}")
@@ -647,7 +647,7 @@ def main(args: Args):
     if args.remote_rm_url:
         from common.remote_reward import make_reward_fn
 
-        reward_fn = make_reward_fn(args.remote_rm_url, token=args.remote_rm_token)
+        reward_fn = make_reward_fn(args.remote_rm_url, token=args.remote_rm_token, flag="--remote_rm_url")
         reward_fn([], [], [])  # an empty batch checks the URL and token (or the file) before any model starts
     n, per_step = args.n_samples_per_prompt, args.rollout_batch_size * args.n_samples_per_prompt
     total_steps = args.num_episodes * len(prompts) // args.rollout_batch_size

@@ -40,17 +40,17 @@ TOKEN_ENV = "MINRLHF_REWARD_TOKEN"
 # ----------------------------------------------------------------------------------------------
 # Reward files
 # ----------------------------------------------------------------------------------------------
-def load_reward_func(path):
-    """The `reward_func` of a Python file, checked to exist and be callable."""
+def load_reward_func(path, flag="--reward_func"):
+    """The `reward_func` of a Python file, checked to exist and be callable; errors name `flag`."""
     if not os.path.isfile(path):
-        raise ValueError(f"--reward_func {path}: no such file")
+        raise ValueError(f"{flag} {path}: no such file")
     spec = importlib.util.spec_from_file_location("user_reward_func", path)
     if spec is None:
-        raise ValueError(f"--reward_func {path}: not a Python file (expected a .py file or an http(s):// URL)")
+        raise ValueError(f"{flag} {path}: not a Python file (expected a .py file or an http(s):// URL)")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not callable(getattr(module, "reward_func", None)):
-        raise ValueError(f"--reward_func {path} defines no function reward_func(queries, prompts, labels)")
+        raise ValueError(f"{flag} {path} defines no function reward_func(queries, prompts, labels)")
     return module.reward_func
 
 
@@ -69,8 +69,8 @@ def check_rewards(rewards, num_queries, source):
     return out
 
 
-def _file_reward_fn(path):
-    func = load_reward_func(path)
+def _file_reward_fn(path, flag):
+    func = load_reward_func(path, flag)
 
     def reward_fn(queries, prompts, labels):
         if not queries:
@@ -99,15 +99,16 @@ def _first_failure(func, queries, prompts, labels):
 # ----------------------------------------------------------------------------------------------
 # HTTP client
 # ----------------------------------------------------------------------------------------------
-def make_reward_fn(spec, token=None, timeout=60.0, retries=3, backoff=1.0):
+def make_reward_fn(spec, token=None, timeout=60.0, retries=3, backoff=1.0, flag="--reward_func"):
     """fn(queries, prompts, labels) -> float32 tensor of shape (len(queries),).
 
     spec: an http(s):// URL of a reward server, or a .py file defining reward_func.
     token: bearer token for the server (default: the MINRLHF_REWARD_TOKEN environment variable).
     timeout: seconds one request may take. retries: how many times a failed request is repeated
-    (connection error, timeout, 429, 5xx), waiting backoff x 2^k seconds before retry k + 1."""
+    (connection error, timeout, 429, 5xx), waiting backoff x 2^k seconds before retry k + 1.
+    flag: the command-line flag that gave `spec`, for error messages."""
     if not spec.lower().startswith(("http://", "https://")):
-        return _file_reward_fn(spec)
+        return _file_reward_fn(spec, flag)
     token = token or os.environ.get(TOKEN_ENV) or None
 
     def reward_fn(queries, prompts, labels):
@@ -261,7 +262,7 @@ def reward_fn_from_args(args: ServeArgs):
     if args.normalize_reward and not args.reward_pretrain:
         raise ValueError("--normalize_reward applies to --reward_pretrain only")
     if args.reward_func:
-        return _file_reward_fn(args.reward_func)
+        return _file_reward_fn(args.reward_func, "--reward_func")
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from common.reward import score

@@ -184,6 +184,8 @@ def test_reward_file_without_reward_func(tmp_path):
         make_reward_fn(str(path))
     with pytest.raises(ValueError, match=rf"--reward_func {tmp_path}/missing.py: no such file"):
         load_reward_func(str(tmp_path / "missing.py"))
+    with pytest.raises(ValueError, match=rf"--remote_rm_url {path} defines no function reward_func"):
+        make_reward_fn(str(path), flag="--remote_rm_url")  # the flag the user gave it through
 
 
 def test_cli_serves_a_reward_model(assets, tmp_path):
