@@ -1,5 +1,6 @@
 """Shared test rig: tiny assets built once per session, and a runner for the real scripts."""
 
+import glob
 import importlib.util
 import json
 import os
@@ -73,3 +74,17 @@ def run_script(script, args, nproc=1, timeout=600, expect_ok=True, env=None):
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def weights(path):
+    """Every tensor of the safetensors files in a saved model directory."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(glob.glob(f"{path}/*.safetensors")) for k, v in load_file(f).items()}
+
+
+def max_weight_diff(a, b):
+    """Largest absolute difference between two saved models' weights (same names required)."""
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)

@@ -1,12 +1,13 @@
 """algos/distill.py: divergences against hand-computed values, packed = padded, cached teacher = live
-teacher, a trained 10M teacher distilled into an untrained 0.5M student (off-policy), on-policy GKD
-with a vLLM engine synced every step under torchrun, and argument errors."""
+teacher, resume = uninterrupted, a trained 10M teacher distilled into an untrained 0.5M student
+(off-policy), on-policy GKD with a vLLM engine synced every step under torchrun, and argument errors."""
 
 import os
+import shutil
 
 import pytest
 import torch
-from conftest import load_algo, read_jsonl, run_script
+from conftest import load_algo, max_weight_diff, read_jsonl, run_script
 
 from common.data import DataArgs
 
@@ -114,6 +115,32 @@ def test_cached_teacher_equals_live(assets, tmp_path):
             for key in ("train/loss", "train/kd", "eval/loss", "eval/kd", "eval/nll"):
                 if key in b:
                     assert abs(a[key] - b[key]) <= 1e-5, (name, key, a[key], b[key])
+
+
+def test_resume_reproduces_uninterrupted_run(assets, tmp_path):
+    """Stopped after step 2 of 4 (`latest` rewound, later checkpoints gone), a --load_checkpoint run
+    repeats steps 3-4 of the uninterrupted run: same losses and final weights (1e-6)."""
+    data = f"{assets}/data/reverse"
+    common = ["--pretrain", f"{assets}/llama-0.5m", "--teacher_model", f"{assets}/qwen2-0.5m",
+              "--dataset", f"{data}/sft_train.jsonl", *TASK, "--max_samples", 64, "--train_batch_size", 16,
+              "--micro_train_batch_size", 8, "--learning_rate", 3e-3, "--kd_coef", 0.5, "--save_steps", 2]
+    full = tmp_path / "full_ckpt"
+    run_script("distill.py", [*common, "--ckpt_path", full, "--save_path", tmp_path / "full",
+                              "--metrics_file", tmp_path / "full.jsonl"], nproc=2)
+    assert (full / "latest").read_text() == "global_step4"
+    resumed = tmp_path / "resumed_ckpt"
+    shutil.copytree(full, resumed)
+    shutil.rmtree(resumed / "global_step4")
+    (resumed / "latest").write_text("global_step2")
+    proc = run_script("distill.py", [*common, "--ckpt_path", resumed, "--load_checkpoint", "--save_path",
+                                     tmp_path / "resumed", "--metrics_file", tmp_path / "resumed.jsonl"], nproc=2)
+    assert "resumed from" in proc.stdout
+    full_losses = {m["step"]: m["train/loss"] for m in read_jsonl(tmp_path / "full.jsonl") if "train/loss" in m}
+    resumed_losses = {m["step"]: m["train/loss"] for m in read_jsonl(tmp_path / "resumed.jsonl") if "train/loss" in m}
+    assert sorted(resumed_losses) == [3, 4]
+    for step, loss in resumed_losses.items():
+        assert abs(loss - full_losses[step]) <= 1e-6, (step, loss, full_losses[step])
+    assert max_weight_diff(tmp_path / "resumed", tmp_path / "full") <= 1e-6
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,23 +8,12 @@ import shutil
 
 import pytest
 import torch
-from conftest import load_algo, read_jsonl, run_script
-from safetensors.torch import load_file
+from conftest import load_algo, max_weight_diff, read_jsonl, run_script, weights
 
 from common.data import DataArgs
 from common.packing import collate, token_logps
 
 TASK = ["--input_key", "prompt", "--output_key", "response", "--apply_chat_template", "--max_len", "64"]
-
-
-def weights(path):
-    return {k: v for f in sorted(glob.glob(f"{path}/*.safetensors")) for k, v in load_file(f).items()}
-
-
-def max_weight_diff(a, b):
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
 
 def rows(path):
