@@ -264,8 +264,9 @@ class WeightSyncWorker:
 # ----------------------------------------------------------------------------------------------
 class EngineClient:
     """vLLM's VLLMWeightSyncClient protocol over our engines (in-process vllm.LLMs or VLLMActor
-    handles): each call goes to every engine and waits for all. Engine i's workers take group
-    ranks after engine i-1's (vLLM's own NCCL backend assumes one engine)."""
+    handles): each call goes to every engine at once (their workers meet in the same broadcasts)
+    and waits for all. Engine i's workers take group ranks after engine i-1's (vLLM's own NCCL
+    backend assumes one engine)."""
 
     def __init__(self, engines, tp_size=1):
         self.engines, self.tp_size = engines, tp_size
@@ -275,7 +276,8 @@ class EngineClient:
             import ray
 
             return ray.get([e.llm_call.remote(method, *a) for e, a in zip(self.engines, args_per_engine)])
-        return [getattr(e, method)(*a) for e, a in zip(self.engines, args_per_engine)]
+        calls = [_in_thread(getattr(e, method), *a) for e, a in zip(self.engines, args_per_engine)]
+        return [c.result() for c in calls]
 
     def init_weight_transfer_engine(self, init_info):
         if "rank_offset" in init_info:
