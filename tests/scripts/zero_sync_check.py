@@ -24,7 +24,7 @@ if __name__ == "__main__":
     ds_config = deepspeed_config(train, world)
     model = load_causal_lm(ModelArgs(pretrain=model_path, lora_rank=lora_rank), ds_config)
     engine = create_train_engine(model, train, ds_config, num_training_steps=3)
-    llm = create_vllm_engine(model_path, EngineArgs(vllm_gpu_memory_utilization=0.05, max_model_len=128)) if rank == 0 else None
+    llm = create_vllm_engine(model_path, EngineArgs(max_model_len=128)) if rank == 0 else None
     sync = WeightSync([llm] if llm else [], colocated=True)  # in-process: the trainer's device
     sequences = [[3, 100 + i, 101, 102, 103, 104, 105 + rank] for i in range(2)]
     for _ in range(3):  # a few real optimizer steps, so the weights differ from the checkpoint
