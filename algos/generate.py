@@ -29,7 +29,10 @@ from common.data import DataArgs, format_prompt, format_response, load_one, load
 from common.engine import finish  # noqa: E402
 from common.remote_reward import make_reward_fn  # noqa: E402
 from common.tracking import progress  # noqa: E402
-from common.vllm_engine import EngineArgs, HFGenerator, SamplingArgs, create_vllm_engine, vllm_generate  # noqa: E402
+from common.vllm_engine import (  # noqa: E402
+    EngineArgs, EngineError, HFGenerator, SamplingArgs, create_vllm_engine, default_max_num_seqs, model_max_len,
+    resolve_max_model_len, vllm_generate,
+)
 
 
 @dataclass
@@ -115,6 +118,8 @@ def parse_args(argv=None):
                        flag="--reward_func" if args.reward_func else "--remote_rm_url")([], [], [])
     if args.input_template is not None and "{}" not in args.input_template:
         raise ValueError(f"--input_template must contain '{{}}', got {args.input_template!r}")
+    if args.engine.max_model_len is not None:  # more than the model allows fails now, not in vLLM
+        resolve_max_model_len(args.pretrain, args.engine.max_model_len, args.engine.max_model_len)
     if args.processed_path is None and args.post_processor != "none":
         args.processed_path = f"{os.path.splitext(args.output_path)[0]}.{args.post_processor}.jsonl"
     return args
@@ -140,6 +145,7 @@ def load_prompts(args, tokenizer, data_args):
             raise ValueError(f"{args.dataset}: row {i}: missing field {args.label_key!r} (--label_key)")
         text = format_prompt(row[args.input_key], tokenizer, data_args)
         prompts.append({"index": i, "prompt": row[args.input_key], "prompt_text": text,
+                        "prompt_ids": tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"],
                         "label": row[args.label_key] if args.label_key else None})
     return prompts
 
@@ -235,7 +241,16 @@ def main(args: Args):
         rm_tokenizer = AutoTokenizer.from_pretrained(paths[0])
     if todo:
         if args.backend == "vllm":
-            engine = create_vllm_engine(args.pretrain, args.engine)
+            longest = max(len(p["prompt_ids"]) for p in todo)
+            limit = args.engine.max_model_len or model_max_len(args.pretrain)
+            if limit is not None and longest >= limit:
+                row = next(p["index"] for p in todo if len(p["prompt_ids"]) == longest)
+                raise ValueError(f"{args.dataset}: row {row}: the prompt has {longest} tokens, which leaves no room "
+                                 f"for a response in --max_model_len {limit}")
+            args.engine.max_model_len = resolve_max_model_len(args.pretrain, args.engine.max_model_len,
+                                                              longest + args.max_new_tokens)
+            engine = create_vllm_engine(args.pretrain, args.engine,
+                                        max_num_seqs=default_max_num_seqs(args.generate_batch_size * args.best_of_n))
             generate = lambda ids: vllm_generate(engine, ids, sampling)  # noqa: E731
         else:
             from transformers import AutoModelForCausalLM
@@ -245,8 +260,7 @@ def main(args: Args):
     os.makedirs(os.path.dirname(os.path.abspath(args.output_path)), exist_ok=True)
     chunks = [todo[i : i + args.generate_batch_size] for i in range(0, len(todo), args.generate_batch_size)]
     for chunk in progress(chunks, desc="generate"):
-        ids = [tokenizer(p["prompt_text"], add_special_tokens=not args.apply_chat_template)["input_ids"] for p in chunk]
-        samples = generate(ids)
+        samples = generate([p["prompt_ids"] for p in chunk])
         responses = [[s.text for s in per_prompt] for per_prompt in samples]
         rewards = (compute_rewards(args, chunk, responses, reward_models, rm_tokenizer, data_args, reward_fn)
                    if reward_models or reward_fn else [[None] * args.best_of_n for _ in chunk])
@@ -275,5 +289,8 @@ if __name__ == "__main__":
         parsed = parse_args()
     except (ValueError, RuntimeError) as e:  # RuntimeError: the reward server refused or did not answer
         sys.exit(f"error: {e}")
-    main(parsed)
+    try:
+        main(parsed)
+    except (ValueError, EngineError) as e:  # data mistakes; an engine that could not start (with its root cause)
+        sys.exit(f"error: {e}")
     finish()  # exit without interpreter teardown (see common.engine.finish)

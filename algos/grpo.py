@@ -35,8 +35,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common.data import BadRow, format_prompt, load_one, load_tokenizer  # noqa: E402
 from common.engine import CkptArgs, ModelArgs, TrainArgs, accumulation_steps, finish, validate_common_args  # noqa: E402
+from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
-from common.vllm_engine import EngineArgs, SamplingArgs  # noqa: E402
+from common.vllm_engine import EngineArgs, SamplingArgs, default_max_num_seqs, resolve_max_model_len  # noqa: E402
 
 ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline")
 GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
@@ -60,8 +61,9 @@ class ActorTrainArgs(TrainArgs):
 class RolloutEngineArgs(EngineArgs):
     tp_size: Annotated[int, tyro.conf.arg(name="vllm_tensor_parallel_size")] = 1
     """Tensor-parallel size of each vLLM engine."""
-    max_model_len: int = 2048
-    """Longest prompt + response an engine serves (>= --prompt_max_len + --generate_max_len)."""
+    max_model_len: Optional[int] = None
+    """Longest prompt + response an engine serves (default: --prompt_max_len + --generate_max_len, at most the
+    model's max_position_embeddings)."""
     seed: tyro.conf.Suppress[int] = 0  # unused: every request carries its own seed (derived from --seed)
 
 
@@ -179,6 +181,11 @@ class Args:
     """Sleep the vLLM engines while training (CUDA; a logged no-op on CPU)."""
     ray_address: Optional[str] = None
     """Join this Ray cluster (default: start a local Ray)."""
+    startup_timeout: float = 900.0
+    """Seconds every role (trainers, vLLM engines, reward models) may take to load its models and start."""
+    rendezvous_timeout: float = 120.0
+    """Seconds a group set-up (trainer group, weight-sync group) waits for its members; then it stops naming who
+    did not join."""
 
 
 def parse_args(argv=None):
@@ -204,9 +211,11 @@ def parse_args(argv=None):
         from common.remote_reward import load_reward_func
 
         load_reward_func(args.remote_rm_url, "--remote_rm_url")  # a missing file or function fails now, not after the models load
-    if args.engine.max_model_len < args.prompt_max_len + args.generate_max_len:
+    needed = args.prompt_max_len + args.generate_max_len
+    if args.engine.max_model_len is not None and args.engine.max_model_len < needed:
         raise ValueError(f"--max_model_len {args.engine.max_model_len} must be >= --prompt_max_len "
                          f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len}")
+    args.engine.max_model_len = resolve_max_model_len(args.model.pretrain, args.engine.max_model_len, needed)
     if args.use_kl_loss and args.init_kl_coef <= 0:
         raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
     if args.dual_clip is not None and args.dual_clip <= 1:
@@ -389,6 +398,7 @@ class PolicyTrainer:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def setup(self, master_addr, master_port, num_training_steps):
+        """Join the trainer group (bounded by --rendezvous_timeout) and load the models."""
         from common.engine import (
             create_eval_engine, create_train_engine, deepspeed_config, deepspeed_eval_config, init_distributed,
             load_causal_lm, set_seed,
@@ -396,7 +406,7 @@ class PolicyTrainer:
 
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0",
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        init_distributed()
+        init_distributed(timeout_s=self.args.rendezvous_timeout)
         args = self.args
         set_seed(args.train.seed)
         ds_config = deepspeed_config(args.train, self.world)
@@ -416,7 +426,8 @@ class PolicyTrainer:
         from common.weight_sync import WeightSync
 
         self.weight_sync = WeightSync(engines if self.rank == 0 else [], colocated=self.args.colocate_all_models,
-                                      tp_size=self.args.engine.tp_size, host=ray.util.get_node_ip_address())
+                                      tp_size=self.args.engine.tp_size, host=ray.util.get_node_ip_address(),
+                                      timeout_s=self.args.rendezvous_timeout)
         return True
 
     def sync_weights(self):
@@ -531,8 +542,10 @@ def load_prompts(spec, split, args, tokenizer, max_samples):
                 raise BadRow(f"missing field {args.label_key!r} (--label_key), which the reward needs")
             text = format_prompt(row[args.input_key], tokenizer, args)
             ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
-            if len(ids) > args.prompt_max_len:
-                raise BadRow(f"{len(ids)} prompt tokens, more than --prompt_max_len {args.prompt_max_len}")
+            limit = min(args.prompt_max_len, args.engine.max_model_len - 1)  # the engine needs room for a response
+            if len(ids) > limit:
+                raise BadRow(f"{len(ids)} prompt tokens, more than {limit} (--prompt_max_len {args.prompt_max_len}, "
+                             f"--max_model_len {args.engine.max_model_len})")
         except BadRow as e:
             if not args.skip_bad_rows:
                 raise ValueError(f"{spec}: row {i}: {e}") from None
@@ -553,8 +566,9 @@ def prompt_at(prompts, position, seed):
     return prompts[order[k].item()]
 
 
-def place_models(args, world, pad_id):
-    """Ray actors: trainers, vLLM engines, reward models; colocated in one placement group, or apart."""
+def place_models(args, world, pad_id, roles):
+    """Ray actors: trainers, vLLM engines, reward models; colocated in one placement group, or apart.
+    Each is added to `roles` under the name errors give it."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -565,46 +579,45 @@ def place_models(args, world, pad_id):
     share = 0.2 if args.colocate_all_models else 1  # up to five roles share one device when colocated
     bundles = [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(world)]
     pg = placement_group(bundles, strategy="PACK")
-    ray.get(pg.ready())
+    roles.get(pg.ready(), timeout_s=args.startup_timeout)
 
     def in_bundle(i):
         return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
 
     cpus = 0.5 if args.colocate_all_models else 1  # colocated roles split their bundle's CPU
-    trainers = [ray.remote(PolicyTrainer).options(num_cpus=cpus, num_gpus=share if gpu else 0,
-                                                  scheduling_strategy=in_bundle(r)).remote(args, r, world, pad_id)
+    trainers = [roles.add(f"trainer rank {r}", actor_class(PolicyTrainer).options(
+                    num_cpus=cpus, num_gpus=share if gpu else 0, scheduling_strategy=in_bundle(r)).remote(args, r, world, pad_id))
                 for r in range(world)]
+    # an engine holds at once every sample of its share of a rollout (or of an evaluation round)
+    per_engine = math.ceil(args.rollout_batch_size / args.vllm_num_engines)
+    max_num_seqs = default_max_num_seqs(per_engine * max(args.n_samples_per_prompt, args.eval_n_samples_per_prompt))
     engines = []
     for i in range(args.vllm_num_engines):
         options = {"scheduling_strategy": in_bundle(i * args.engine.tp_size)} if args.colocate_all_models else {}
-        engines.append(create_vllm_actor(args.model.pretrain, args.engine, num_cpus=cpus if args.colocate_all_models else 1,
-                                         num_gpus=(share * args.engine.tp_size) if gpu else 0,
-                                         enable_sleep=args.vllm_enable_sleep, colocated=args.colocate_all_models,
-                                         options=options))
+        engines.append(roles.add(f"vLLM engine {i}", create_vllm_actor(
+            args.model.pretrain, args.engine, num_cpus=cpus if args.colocate_all_models else 1,
+            num_gpus=(share * args.engine.tp_size) if gpu else 0, enable_sleep=args.vllm_enable_sleep,
+            colocated=args.colocate_all_models, options=options, max_num_seqs=max_num_seqs)))
     reward_models = None
     if args.reward_pretrain:
         options = {"scheduling_strategy": in_bundle(0)} if args.colocate_all_models else {}
-        reward_models = ray.remote(RewardModels).options(num_cpus=cpus if args.colocate_all_models else 1,
-                                                         num_gpus=share if gpu else 0, **options).remote(
-            [p for p in args.reward_pretrain.split(",") if p], args.normalize_reward)
+        reward_models = roles.add("reward models", actor_class(RewardModels).options(
+            num_cpus=cpus if args.colocate_all_models else 1, num_gpus=share if gpu else 0, **options).remote(
+            [p for p in args.reward_pretrain.split(",") if p], args.normalize_reward))
     return trainers, engines, reward_models
 
 
-def generate(engines, prompts, sampling, seeds):
+def generate(roles, engines, prompts, sampling, seeds):
     """Split the prompts over the engines; one list of Sample per prompt, in order."""
-    import ray
-
     per = math.ceil(len(prompts) / len(engines))
     futures = [e.generate.remote([p["prompt_ids"] for p in prompts[i * per : (i + 1) * per]], sampling,
                                  seeds[i * per : (i + 1) * per])
                for i, e in enumerate(engines) if prompts[i * per : (i + 1) * per]]
-    return [group for chunk in ray.get(futures) for group in chunk]
+    return [group for chunk in roles.get(futures) for group in chunk]
 
 
-def compute_rewards(args, reward_fn, reward_models, prompts, groups, tokenizer):
+def compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer):
     """One scalar reward per sample, shape (prompts, n): reward file / URL plus reward models."""
-    import ray
-
     queries = [p["prompt_text"] + s.text for p, g in zip(prompts, groups) for s in g]
     prompt_texts = [p["prompt_text"] for p, g in zip(prompts, groups) for _ in g]
     labels = [p["label"] for p, g in zip(prompts, groups) for _ in g]
@@ -613,7 +626,7 @@ def compute_rewards(args, reward_fn, reward_models, prompts, groups, tokenizer):
         total += reward_fn(queries, prompt_texts, labels)
     if reward_models is not None:  # the RM reads prompt + response + EOS, as rm.py trained it
         texts = [p["prompt_text"] + tokenizer.decode(s.output_ids) for p, g in zip(prompts, groups) for s in g]
-        total += torch.tensor(ray.get(reward_models.score.remote(texts)))
+        total += torch.tensor(roles.get(reward_models.score.remote(texts)))
     return total.view(len(prompts), -1)
 
 
@@ -624,11 +637,11 @@ def overlong_penalty(length, max_len, buffer, factor):
 
 
 @torch.no_grad()
-def evaluate(args, engines, eval_prompts, reward_fn, reward_models, tokenizer, step):
+def evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer):
     n = args.eval_n_samples_per_prompt
     sampling = SamplingArgs(n=n, temperature=args.eval_temperature, max_new_tokens=args.generate_max_len)
-    groups = generate(engines, eval_prompts, sampling, [args.train.seed + 7919 * i for i in range(len(eval_prompts))])
-    rewards = compute_rewards(args, reward_fn, reward_models, eval_prompts, groups, tokenizer)
+    groups = generate(roles, engines, eval_prompts, sampling, [args.train.seed + 7919 * i for i in range(len(eval_prompts))])
+    rewards = compute_rewards(roles, reward_fn, reward_models, eval_prompts, groups, tokenizer)
     return {"eval/pass@1": rewards.mean().item(), f"eval/pass@{n}": rewards.max(1).values.mean().item(),
             "eval/response_length": sum(len(s.output_ids) for g in groups for s in g) / rewards.numel()}
 
@@ -663,22 +676,24 @@ def main(args: Args):
     else:  # a local Ray: logical CPUs for every role even on a 2-core machine
         ray.init(num_cpus=max(os.cpu_count() or 1, 2 * world + args.vllm_num_engines + 1), include_dashboard=False,
                  runtime_env={"env_vars": {"PYTHONPATH": ROOT, "TOKENIZERS_PARALLELISM": "false"}})
-    trainers, engines, reward_models = place_models(args, world, tokenizer.pad_token_id)
-    addr, port = ray.get(trainers[0].address.remote())
-    ray.get([t.setup.remote(addr, port, optimizer_steps) for t in trainers])
-    ray.get([t.setup_weight_sync.remote(engines) for t in trainers])
+    roles = Roles()
+    trainers, engines, reward_models = place_models(args, world, tokenizer.pad_token_id, roles)
+    roles.ready(args.startup_timeout)  # every role is up before anyone waits on another in a rendezvous
+    addr, port = roles.get(trainers[0].address.remote())
+    roles.get([t.setup.remote(addr, port, optimizer_steps) for t in trainers])
+    roles.get([t.setup_weight_sync.remote(engines) for t in trainers])
 
     state = {"global_step": 0, "consumed_prompts": 0, "best_pass1": -math.inf}
     if args.ckpt.load_checkpoint:
-        loaded = ray.get([t.load_checkpoint.remote() for t in trainers])[0]
+        loaded = roles.get([t.load_checkpoint.remote() for t in trainers])[0]
         if loaded:
             state.update(loaded["grpo_state"])
-            ray.get([t.sync_weights.remote() for t in trainers])  # the engines still hold the start weights
+            roles.get([t.sync_weights.remote() for t in trainers])  # the engines still hold the start weights
         print(f"resumed from {args.ckpt.ckpt_path} at step {state['global_step']}" if loaded else
               f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
     logger = MetricsLogger(args.log, asdict(args), True)
     if eval_prompts and state["global_step"] == 0:
-        metrics = evaluate(args, engines, eval_prompts, reward_fn, reward_models, tokenizer, 0)
+        metrics = evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer)
         print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         logger.log(metrics, 0)
 
@@ -701,10 +716,10 @@ def main(args: Args):
             state["consumed_prompts"] += need
             t0 = time.time()
             # a seed per prompt position: the same samples whatever the engine count or batching (resume is exact)
-            groups = generate(engines, batch_prompts, sampling, [args.train.seed * 1_000_003 + i for i in positions])
+            groups = generate(roles, engines, batch_prompts, sampling, [args.train.seed * 1_000_003 + i for i in positions])
             phase("generate", t0)
             t0 = time.time()
-            rewards = compute_rewards(args, reward_fn, reward_models, batch_prompts, groups, tokenizer)
+            rewards = compute_rewards(roles, reward_fn, reward_models, batch_prompts, groups, tokenizer)
             phase("reward", t0)
             for p, g, r in zip(batch_prompts, groups, rewards):
                 all_equal = bool((r == r[0]).all())
@@ -727,7 +742,7 @@ def main(args: Args):
         # 3. log-probs before the update: policy (old) and reference, each rank its share
         t0 = time.time()
         shard = per_step // world
-        outs = ray.get([t.logprobs.remote(samples[r * shard : (r + 1) * shard]) for r, t in enumerate(trainers)])
+        outs = roles.get([t.logprobs.remote(samples[r * shard : (r + 1) * shard]) for r, t in enumerate(trainers)])
         for r, out in enumerate(outs):
             for k, s in enumerate(samples[r * shard : (r + 1) * shard]):
                 s["old_logps"] = out["old_logps"][k]
@@ -747,7 +762,7 @@ def main(args: Args):
 
         # 5. policy update: epochs x optimizer steps, each step's samples split over the ranks
         if args.vllm_enable_sleep:
-            ray.get([e.sleep.remote() for e in engines])
+            roles.get([e.sleep.remote() for e in engines])
         t0 = time.time()
         per_rank_steps = [[] for _ in range(world)]
         B = args.train.train_batch_size
@@ -757,15 +772,15 @@ def main(args: Args):
                 chosen = [samples[i] for i in order[k * B : (k + 1) * B].tolist()]
                 for r in range(world):
                     per_rank_steps[r].append(chosen[r * (B // world) : (r + 1) * (B // world)])
-        train_metrics = ray.get([t.train.remote(per_rank_steps[r]) for r, t in enumerate(trainers)])[0]
+        train_metrics = roles.get([t.train.remote(per_rank_steps[r]) for r, t in enumerate(trainers)])[0]
         phase("train", t0)
         phases.update(1)
 
         # 6. push the new weights into every engine
         if args.vllm_enable_sleep:
-            ray.get([e.wake_up.remote() for e in engines])
+            roles.get([e.wake_up.remote() for e in engines])
         t0 = time.time()
-        sync = ray.get([t.sync_weights.remote() for t in trainers])[0]
+        sync = roles.get([t.sync_weights.remote() for t in trainers])[0]
         phase("sync", t0)
         phases.update(1)
         phases.close()
@@ -786,18 +801,18 @@ def main(args: Args):
         bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")
         if eval_prompts and ((args.log.eval_steps > 0 and global_step % args.log.eval_steps == 0)
                              or global_step == total_steps):
-            metrics.update(evaluate(args, engines, eval_prompts, reward_fn, reward_models, tokenizer, global_step))
+            metrics.update(evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer))
             bar.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
                                                           if k.startswith(("eval/", "train/reward"))))
             if metrics["eval/pass@1"] > state["best_pass1"]:
                 state["best_pass1"] = metrics["eval/pass@1"]
-                ray.get([t.save_model.remote(os.path.join(args.ckpt.save_path, "best")) for t in trainers])
+                roles.get([t.save_model.remote(os.path.join(args.ckpt.save_path, "best")) for t in trainers])
         if global_step % args.log.logging_steps == 0 or "eval/pass@1" in metrics:
             logger.log(metrics, global_step)
         if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
-            ray.get([t.save_checkpoint.remote(global_step, {"grpo_state": dict(state)}) for t in trainers])
+            roles.get([t.save_checkpoint.remote(global_step, {"grpo_state": dict(state)}) for t in trainers])
 
-    ray.get([t.save_model.remote(args.ckpt.save_path) for t in trainers])
+    roles.get([t.save_model.remote(args.ckpt.save_path) for t in trainers])
     print(f"saved {args.ckpt.save_path}")
     logger.close()
     ray.shutdown()
@@ -811,5 +826,7 @@ if __name__ == "__main__":
     try:
         main(parsed)
     except ValueError as e:  # data mistakes found before training
+        sys.exit(f"error: {e}")
+    except RoleFailed as e:  # a role died, raised or did not start: named, with its root cause
         sys.exit(f"error: {e}")
     finish()  # exit without interpreter teardown (see common.engine.finish)

@@ -61,8 +61,7 @@ def main(args: Args):
                    "--rollout_batch_size", str(args.rollout_batch_size), "--train_batch_size", str(samples),
                    "--micro_train_batch_size", "16", "--micro_rollout_batch_size", "16",
                    "--actor_num_gpus_per_node", str(args.trainer_ranks), "--prompt_max_len", "64",
-                   "--generate_max_len", str(args.generate_max_len), "--max_model_len", str(64 + args.generate_max_len),
-                   "--vllm_gpu_memory_utilization", "0.05", "--max_steps", str(args.steps),
+                   "--generate_max_len", str(args.generate_max_len), "--max_steps", str(args.steps),
                    "--save_path", os.path.join(tmp, "out"), "--metrics_file", metrics_file]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -133,6 +134,7 @@ class _OutputTail:
     """Copies fd 1 and 2 through pipes to where they pointed, keeping the last lines seen."""
 
     _installed = {}  # fd -> (write end of our pipe, tail)
+    _lines_seen = 0
 
     @classmethod
     def install(cls):
@@ -154,6 +156,7 @@ class _OutputTail:
             os.write(target, chunk)
             *lines, pending = (pending + chunk).split(b"\n")
             tail.extend(line.decode(errors="replace") for line in lines)
+            _OutputTail._lines_seen += len(lines)
 
     @classmethod
     def clear(cls):
@@ -162,7 +165,12 @@ class _OutputTail:
 
     @classmethod
     def root_cause(cls):
-        """The first exception line the engine processes printed, stripped of vLLM's log prefix."""
+        """The first exception line the engine processes printed, stripped of vLLM's log prefix
+        (once their last words have come through the pipes: the caller's error can be quicker)."""
+        deadline, seen = time.time() + 5, -1
+        while seen != cls._lines_seen and time.time() < deadline:
+            seen = cls._lines_seen
+            time.sleep(0.5)
         prefix = r"^(?:\(\w+ pid=\d+\) )?(?:\w+ \d\d-\d\d [\d:]+ \[[^\]]*\] )?"
         for line in [line for _, tail in cls._installed.values() for line in tail]:
             m = re.match(prefix + r"((?:\w+\.)*\w*(?:Error|Exception): .+)$", line)
@@ -171,13 +179,13 @@ class _OutputTail:
         return None
 
 
-class EngineFailed(RuntimeError):
+class EngineError(RuntimeError):
     """A vLLM engine failed to start or died; the message carries the root cause it printed."""
 
 
 def _engine_error(e, model_path, context=""):
     cause = _OutputTail.root_cause()
-    return EngineFailed(f"vLLM engine for {model_path} failed{context}: {cause or f'{type(e).__name__}: {e}'}")
+    return EngineError(f"vLLM engine for {model_path} failed{context}: {cause or f'{type(e).__name__}: {e}'}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,7 +196,7 @@ def create_vllm_engine(model_path, args: EngineArgs, enable_sleep=False, colocat
     enable_sleep lets sleep_engine free its memory on CUDA; colocated: it shares the trainer's
     devices (picks the weight-transfer transport on CUDA; give WeightSync the same); max_num_seqs:
     the default of --vllm_max_num_seqs (the most sequences one generation call of the run holds).
-    A failure to start raises EngineFailed carrying the root cause the engine printed."""
+    A failure to start raises EngineError carrying the root cause the engine printed."""
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 

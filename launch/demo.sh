@@ -24,7 +24,7 @@ $PY algos/grpo.py --pretrain outputs/demo_sft --prompt_data $DATA/rl_train.jsonl
   --input_key prompt --label_key answer --apply_chat_template --remote_rm_url launch/rewards/exact_match.py \
   --n_samples_per_prompt 8 --rollout_batch_size 64 --train_batch_size 256 --max_epochs 2 \
   --micro_train_batch_size 16 --micro_rollout_batch_size 16 --actor_num_gpus_per_node 2 \
-  --prompt_max_len 48 --generate_max_len 16 --max_model_len 128 --vllm_gpu_memory_utilization 0.05 \
+  --prompt_max_len 48 --generate_max_len 16 \
   --actor_learning_rate 1e-4 --max_steps 30 --eval_steps 10 --eval_temperature 0 --eval_n_samples_per_prompt 1 \
   --save_path outputs/demo_grpo --metrics_file outputs/demo_grpo_metrics.jsonl 2>outputs/demo_grpo.log \
   | grep -E "^step [0-9]+:|^saved" || { tail -20 outputs/demo_grpo.log; exit 1; }

@@ -46,7 +46,7 @@ def test_rejection_sampling_and_csft_data_train_with_sft(assets, sft_model, tmp_
     out = tmp_path / "gen.jsonl"
     proc = run_script("generate.py", gen_args(assets, sft_model, out, "--best_of_n", 4, "--max_samples", 64,
                                               "--post_processor", "rs", "--reward_threshold", 1.0,
-                                              "--vllm_gpu_memory_utilization", 0.05, "--max_model_len", 128))
+                                              "--max_model_len", 128))
     assert "reward: mean" in proc.stdout
     rs = read_jsonl(tmp_path / "gen.rs.jsonl")
     assert 8 <= len(rs) <= 64 and all(r["reward"] == 1.0 and r["response"].strip() == r["label"] for r in rs)

@@ -122,7 +122,7 @@ def grpo_args(assets, model, tmp, *extra, reward=REWARD):
             "--apply_chat_template", "--remote_rm_url", reward, "--n_samples_per_prompt", 8,
             "--micro_train_batch_size", 16, "--micro_rollout_batch_size", 16, "--actor_num_gpus_per_node", 2,
             "--prompt_max_len", 48, "--generate_max_len", 16, "--max_model_len", 128,
-            "--vllm_gpu_memory_utilization", 0.05, "--eval_temperature", 0, "--eval_n_samples_per_prompt", 1,
+            "--eval_temperature", 0, "--eval_n_samples_per_prompt", 1,
             "--save_path", tmp / "out", "--metrics_file", tmp / "metrics.jsonl", *extra]
 
 

@@ -10,7 +10,7 @@ import torch
 from conftest import ROOT
 
 from common.vllm_engine import (
-    EngineArgs, EngineFailed, HFGenerator, SamplingArgs, create_vllm_actor, create_vllm_engine, kv_cache_bytes,
+    EngineArgs, EngineError, HFGenerator, SamplingArgs, create_vllm_actor, create_vllm_engine, kv_cache_bytes,
     model_max_len, resolve_max_model_len, vllm_generate, vllm_sequence_logprobs,
 )
 from common.weight_sync import GLOO_BACKEND, HFWeightSource, WeightSync
@@ -129,7 +129,7 @@ def test_engine_that_cannot_start_names_the_root_cause(tiny):
     """vLLM's engine processes print why they failed; the caller only gets "See root cause above".
     An impossible memory share (1 % of the node is less than the engine's own overhead) must fail with
     the engine process's own first error line."""
-    with pytest.raises(EngineFailed, match=r"vLLM engine for .* failed to start: ValueError: Available memory on node"):
+    with pytest.raises(EngineError, match=r"vLLM engine for .* failed to start: ValueError: Available memory on node"):
         create_vllm_engine(tiny[0], EngineArgs(vllm_gpu_memory_utilization=0.01, max_model_len=128))
 
 
