@@ -43,13 +43,14 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import (  # noqa: E402
-    BadRow, DataArgs, format_prompt, format_response, get_field, load_tokenizer, prepare_dataset, tokenizer_fingerprint,
-    validate_data_args,
+    BadRow, DataArgs, format_prompt, format_response, get_field, load_tokenizer, prepare_dataset, rank0_first,
+    tokenizer_fingerprint, validate_data_args,
 )
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, create_eval_engine, create_train_engine, deepspeed_config,
-    deepspeed_eval_config, device, finish, init_distributed, is_rank0, load_causal_lm, load_checkpoint,
-    optimizer_step, save_checkpoint, save_hf_model, set_seed, validate_common_args, world_size_from_env,
+    deepspeed_eval_config, device, finish, hold_ckpt_path, init_distributed, is_rank0, load_causal_lm,
+    load_checkpoint, optimizer_step, save_checkpoint, save_hf_model, set_seed, validate_common_args,
+    world_size_from_env,
 )
 from common.packing import collate, per_sample_sum, response_logps, sharded_logps, to_device  # noqa: E402
 from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
@@ -204,18 +205,17 @@ def main(args: Args):
     set_seed(args.train.seed)
     tokenizer = load_tokenizer(args.model.pretrain, args.data)
 
-    # rank 0 tokenizes first and fills the datasets cache; the others then read it
+    # rank 0 tokenizes first and fills the datasets cache; the others then read it (a data error stops all)
     row_fn, columns = (lambda r: pref_row(r, tokenizer, args)), ("prompt_ids", "chosen_ids", "rejected_ids")
     cache_key = [inspect.getsource(pref_row), repr(args.data), args.chosen_key, args.rejected_key,
                  tokenizer_fingerprint(tokenizer)]
-    for turn in ("first", "rest"):
-        if (turn == "first") == is_rank0():
-            train_ds = prepare_dataset(args.data.dataset, args.data.dataset_split, row_fn, columns, args.data, cache_key,
-                                       probs=args.data.dataset_probs, seed=args.train.seed,
-                                       max_samples=args.data.max_samples)
-            eval_ds = args.data.eval_dataset and prepare_dataset(
-                args.data.eval_dataset, args.data.eval_split, row_fn, columns, args.data, cache_key)
-        dist.barrier()
+    def prepare():
+        train = prepare_dataset(args.data.dataset, args.data.dataset_split, row_fn, columns, args.data, cache_key,
+                                probs=args.data.dataset_probs, seed=args.train.seed, max_samples=args.data.max_samples)
+        return train, args.data.eval_dataset and prepare_dataset(
+            args.data.eval_dataset, args.data.eval_split, row_fn, columns, args.data, cache_key)
+
+    train_ds, eval_ds = rank0_first(prepare)
 
     batch_size, micro = args.train.train_batch_size, args.train.micro_train_batch_size
     steps_per_epoch = len(train_ds) // batch_size
@@ -327,7 +327,11 @@ def main(args: Args):
 if __name__ == "__main__":
     try:
         parsed = parse_args()
+        hold_ckpt_path(parsed.ckpt)  # a second run on the same --ckpt_path stops here
     except ValueError as e:  # argument mistakes: say what to fix, before any model is loaded
         sys.exit(f"error: {e}")
-    main(parsed)
+    try:
+        main(parsed)
+    except ValueError as e:  # data mistakes, raised alike on every rank: rank 0 says what to fix
+        finish(error=e)
     finish()  # exit without interpreter teardown (see common.engine.finish)

@@ -5,6 +5,7 @@ What a row turns into (which fields, which tokens carry loss) is decided by each
 this module only runs that function over the data and reports bad rows by file and row.
 """
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -70,7 +71,8 @@ def split_specs(specs):
 
 
 def load_one(spec, split):
-    """Load one dataset spec as a `datasets.Dataset`; errors name the spec and the available splits."""
+    """Load one dataset spec as a `datasets.Dataset`; errors name the spec and the available splits,
+    and for a local file that is empty or not valid JSON, that fact (and the first bad line)."""
     import datasets
 
     ext = os.path.splitext(spec)[1].lower()
@@ -90,13 +92,17 @@ def load_one(spec, split):
         if ext in FILE_BUILDERS:
             raise FileNotFoundError(f"no such file: {spec}")
         return datasets.load_dataset(spec, split=split)
-    except KeyError as e:
-        raise ValueError(f"dataset {spec}: no split {split!r} ({e})") from None
-    except ValueError as e:
-        if "split" in str(e).lower():
-            raise ValueError(f"dataset {spec}: no split {split!r}: {e}") from None
-        raise ValueError(f"dataset {spec}: {e}") from None
     except Exception as e:
+        # datasets' own messages for these say neither (StopIteration; a byte position in a chunk)
+        problem = os.path.isfile(spec) and ext in FILE_BUILDERS and file_problem(spec, ext)
+        if problem:
+            raise ValueError(f"dataset {spec}: {problem}") from None
+        if isinstance(e, KeyError):
+            raise ValueError(f"dataset {spec}: no split {split!r} ({e})") from None
+        if isinstance(e, ValueError):
+            if "split" in str(e).lower():
+                raise ValueError(f"dataset {spec}: no split {split!r}: {e}") from None
+            raise ValueError(f"dataset {spec}: {e}") from None
         causes, cause = [], e
         while cause is not None and len(causes) < 4:  # datasets keeps the parse error in the cause chain
             causes.append(f"{type(cause).__name__}: {cause}")
@@ -105,6 +111,46 @@ def load_one(spec, split):
             raise ValueError(f"dataset {spec} could not be loaded: {' <- '.join(causes)}") from None
         raise ValueError(f"dataset {spec} could not be loaded (not a local file or folder, and not reachable "
                          f"as a hub dataset): {' <- '.join(causes)}") from None
+
+
+def file_problem(path, ext):
+    """Why a local data file that failed to load is unusable, when that is plain to see: it holds
+    nothing but white space, or (.json / .jsonl) the first line that is not a JSON object; else None.
+    Read only after a failure, so a good file is never scanned twice."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if chunk.strip():
+                break
+        else:
+            return "the file is empty (no rows)"
+    if FILE_BUILDERS[ext] != "json":
+        return None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        first = True
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row, error = json.loads(line), None
+            except json.JSONDecodeError as e:
+                row, error = None, e
+            if first and not isinstance(row, dict):  # one JSON document (an array, an object over many lines)
+                return whole_json_problem(path)
+            if error:
+                return f"line {number} is not valid JSON: {error.msg} (column {error.colno})"
+            if not isinstance(row, dict):
+                return f"line {number} is not a JSON object (one row per line): {line.strip()[:40]!r}"
+            first = False
+    return None
+
+
+def whole_json_problem(path):
+    with open(path, encoding="utf-8", errors="replace") as f:
+        try:
+            json.load(f)
+        except json.JSONDecodeError as e:
+            return f"not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
+    return None
 
 
 def format_prompt(prompt, tokenizer, args: DataArgs):
@@ -193,6 +239,31 @@ def prepare_dataset(specs, split, row_fn: Callable, columns, args: DataArgs, cac
     if max_samples is not None and len(mixed) > max_samples:
         mixed = mixed.select(range(max_samples))
     return mixed
+
+
+def rank0_first(prepare: Callable):
+    """`prepare()` on rank 0, then on the other ranks, which read the `datasets` cache rank 0 filled;
+    returns its result. A ValueError (a data error) on any rank is raised on every rank with that
+    message, so all ranks stop together (the script prints it once) instead of waiting at a barrier
+    for a rank that has died."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if world > 1 else 0
+    result = error = None
+    for turn in ("first", "rest"):
+        if (turn == "first") == (rank == 0):
+            try:
+                result = prepare()
+            except ValueError as e:
+                error = str(e)
+        if world > 1:
+            errors = [None] * world
+            dist.all_gather_object(errors, error)
+            error = next((e for e in errors if e), None)
+        if error:
+            raise ValueError(error)
+    return result
 
 
 def load_tokenizer(path, args: DataArgs):

@@ -6,10 +6,13 @@ training script nests into its own `Args`.
 """
 
 import atexit
+import ctypes
+import fcntl
 import os
 import random
 import re
 import shutil
+import signal
 import socket
 import sys
 import threading
@@ -129,12 +132,18 @@ def world_size_from_env():
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+_PARENT_AT_IMPORT = os.getppid()  # a torchrun worker's launcher, unless it died before this import
+
+
 def init_distributed():
-    """Join the torchrun group (NCCL on CUDA, gloo on CPU); a plain `python` run is a world of one."""
+    """Join the torchrun group (NCCL on CUDA, gloo on CPU); a plain `python` run is a world of one.
+    A torchrun worker dies with its launcher (see die_with_launcher)."""
     import deepspeed
 
     if dist.is_initialized():
         return
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_launcher()
     # ZeRO-3 calls deprecated collectives on every gather; one warning per call floods the log
     warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).*is deprecated")
     if "RANK" not in os.environ:
@@ -147,7 +156,21 @@ def init_distributed():
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
 
 
-def finish():
+def die_with_launcher():
+    """Have the kernel SIGKILL this process when its parent (the torchrun launcher) dies. torchrun
+    starts each worker in a session of its own, so a launcher killed with SIGKILL (the OOM killer, a
+    lost shell) would otherwise leave its workers training and writing checkpoints. Linux only; not
+    for Ray actors, whose parent is a Ray worker process."""
+    if not sys.platform.startswith("linux"):
+        return
+    PR_SET_PDEATHSIG = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        warnings.warn(f"prctl(PR_SET_PDEATHSIG): {os.strerror(ctypes.get_errno())}; this worker would outlive its launcher")
+    elif os.getppid() != _PARENT_AT_IMPORT:  # the launcher died before prctl: we were handed to a reaper
+        os._exit(1)
+
+
+def finish(error=None):
     """End a script whose main() returned: run what a normal interpreter exit runs first (join
     non-daemon threads; atexit hooks: vLLM engine and Ray shutdown, W&B, logging, multiprocessing
     children, temporary directories), flush, then os._exit(0).
@@ -159,12 +182,18 @@ def finish():
     exception", SIGABRT) after all their work was done; os._exit skips it. No collective here:
     ranks may arrive at different times, and a world of one (plain `python`) works the same.
     Call it from `if __name__ == "__main__":` after main(), so code that calls main() in-process
-    (a test) is never exited, and a main() that raised never reaches the exit code 0."""
+    (a test) is never exited, and a main() that raised never reaches the exit code 0.
+
+    With `error` (a ValueError that main() raised alike on every rank: a data error, shared by
+    common.data.rank0_first, or a check on the prepared data), rank 0 prints `error: <message>` as
+    argument errors read, with no traceback, and every rank exits 1."""
+    if error is not None and is_rank0():
+        print(f"error: {error}", file=sys.stderr)
     threading._shutdown()  # what the interpreter runs before the atexit hooks
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(0 if error is None else 1)
 
 
 def is_rank0():
@@ -296,7 +325,8 @@ def load_causal_lm(model_args: ModelArgs, ds_config=None, path=None, model_cls=N
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if model_args.lora_rank > 0:
             model.enable_input_require_grads()
-    model.config.use_cache = False  # packed rows give wrong logits with the KV cache on
+    # packed rows give wrong logits with the KV cache on; save_hf_model exports the model's own setting
+    model.export_use_cache, model.config.use_cache = model.config.use_cache, False
     return model
 
 
@@ -378,6 +408,46 @@ def _step_of(tag):
     return int(m.group(1)) if m else -1
 
 
+_CKPT_LOCKS = []  # open lock files: a flock lasts as long as its file descriptor
+
+
+def hold_ckpt_path(ckpt: CkptArgs):
+    """Make this run the only writer of --ckpt_path, when it saves or loads checkpoints: rank 0 takes
+    an exclusive flock on --ckpt_path/run.lock, writes its pid and host there, and keeps it until it
+    exits; while it does, a second run raises ValueError naming it. The kernel drops a flock when its
+    process dies, however it dies, so a lock file a dead run left is stale and is taken over.
+    Needs no process group (the rank comes from the environment): call it before anything loads."""
+    if not (ckpt.save_steps > 0 or ckpt.load_checkpoint) or os.environ.get("RANK", "0") != "0":
+        return
+    os.makedirs(ckpt.ckpt_path, exist_ok=True)
+    path = os.path.join(ckpt.ckpt_path, "run.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a run that has not written its pid yet"
+        os.close(fd)
+        raise ValueError(f"--ckpt_path {ckpt.ckpt_path} is held by another run ({holder}; lock file {path}): "
+                         "wait for it to end, stop it, or pick another --ckpt_path") from None
+    except OSError as e:  # a file system without flock: run unguarded rather than not at all
+        warnings.warn(f"cannot lock {path} ({e}): a second run on --ckpt_path {ckpt.ckpt_path} would not be refused")
+        os.close(fd)
+        return
+    stale = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+    if stale:
+        print(f"[ckpt] {path}: took over the lock of a run that is no longer running ({stale})")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    _CKPT_LOCKS.append(fd)
+
+    def release():  # empty the file rather than delete it: a run that opened it meanwhile would lock a ghost
+        os.ftruncate(fd, 0)
+        os.close(fd)
+        _CKPT_LOCKS.remove(fd)
+
+    atexit.register(release)
+
+
 def save_checkpoint(engine, ckpt_path, global_step, client_state, max_ckpt_num):
     """Save `global_step{N}`; point `latest` at it only after every rank finished (atomic rename),
     then drop the oldest checkpoints. A crash mid-save leaves the previous good one in place."""
@@ -386,7 +456,7 @@ def save_checkpoint(engine, ckpt_path, global_step, client_state, max_ckpt_num):
     torch.save(_rng_state(), os.path.join(ckpt_path, tag, f"rng_state_rank{dist.get_rank()}.pt"))
     dist.barrier()
     if dist.get_rank() == 0:
-        tmp = os.path.join(ckpt_path, "latest.tmp")
+        tmp = os.path.join(ckpt_path, f"latest.tmp.{os.getpid()}")  # private to this writer
         with open(tmp, "w") as f:
             f.write(tag)
         os.replace(tmp, os.path.join(ckpt_path, "latest"))
@@ -428,6 +498,8 @@ def save_hf_model(engine, tokenizer, save_path, merge_lora=False, base_path=None
     state_dict = gathered_state_dict(engine)
     if is_rank0():
         model = engine.module
+        config = model.config  # shared by a LoRA model and its base
+        training_use_cache, config.use_cache = config.use_cache, getattr(model, "export_use_cache", config.use_cache)
         is_peft = hasattr(model, "peft_config")
         out = os.path.join(save_path, "adapter") if is_peft and merge_lora else save_path
         os.makedirs(out, exist_ok=True)
@@ -442,5 +514,6 @@ def save_hf_model(engine, tokenizer, save_path, merge_lora=False, base_path=None
             merged = PeftModel.from_pretrained(base, out).merge_and_unload()
             merged.save_pretrained(save_path, safe_serialization=True)
             tokenizer.save_pretrained(save_path)
+        config.use_cache = training_use_cache
     if dist.is_initialized():
         dist.barrier()

@@ -193,16 +193,54 @@ def test_error_unsupported_extension(tmp_path):
 
 
 def test_error_malformed_local_file_gives_the_reason(tmp_path):
-    """A local file that exists but does not parse: the message names the file and the parse error,
-    and does not claim the file is not local."""
+    """A local file that exists but does not parse: the message names the file, the first bad line
+    and the parse error, and does not claim the file is not local."""
     path = tmp_path / "broken.jsonl"
-    path.write_text('{"prompt": "a", "response": "b"}\n{not json\n')
+    path.write_text('{"prompt": "a", "response": "b"}\n\n{"prompt": "a" "response": "b"}\n{not json\n')
     with pytest.raises(ValueError) as e:
         load_one(str(path), "train")
     msg = str(e.value)
-    assert str(path) in msg
+    assert msg == f"dataset {path}: line 3 is not valid JSON: Expecting ',' delimiter (column 16)"
     assert "not a local file" not in msg
-    assert "JSON parse error" in msg
+
+
+def test_error_jsonl_line_that_is_not_an_object(tmp_path):
+    path = tmp_path / "numbers.jsonl"
+    path.write_text('{"prompt": "a"}\n5\n')
+    with pytest.raises(ValueError, match=r"numbers.jsonl: line 2 is not a JSON object \(one row per line\): '5'$"):
+        load_one(str(path), "train")
+
+
+def test_error_json_document_names_line_and_column(tmp_path):
+    """A .json file holding one document (an array over many lines): the document's own position."""
+    path = tmp_path / "rows.json"
+    path.write_text('[\n  {"prompt": "a"},\n  {"prompt" "b"}\n]\n')
+    with pytest.raises(ValueError) as e:
+        load_one(str(path), "train")
+    assert str(e.value) == f"dataset {path}: not valid JSON at line 3, column 13: Expecting ':' delimiter"
+
+
+@pytest.mark.parametrize("name, text", [("empty.jsonl", ""), ("blank.jsonl", "\n  \n"), ("empty.json", ""),
+                                        ("empty.csv", "")])
+def test_error_empty_file_says_empty(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError) as e:
+        load_one(str(path), "train")
+    assert str(e.value) == f"dataset {path}: the file is empty (no rows)"
+
+
+def test_rank0_first_in_a_world_of_one():
+    """Without a process group, rank0_first is prepare() itself; its data error keeps its message."""
+    from common.data import rank0_first
+
+    assert rank0_first(lambda: (1, None)) == (1, None)
+
+    def bad():
+        raise ValueError("a.jsonl: 1 bad row(s) of 2")
+
+    with pytest.raises(ValueError, match=r"^a.jsonl: 1 bad row\(s\) of 2$"):
+        rank0_first(bad)
 
 
 def test_error_unreachable_hub_name(monkeypatch):

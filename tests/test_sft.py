@@ -23,7 +23,7 @@ def rows(path):
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_sft_learns_and_exports(assets, tmp_path, zero_stage):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from common.tiny import exact_match
 
@@ -49,6 +49,8 @@ def test_sft_learns_and_exports(assets, tmp_path, zero_stage):
 
     # the export reloads with AutoModelForCausalLM and reproduces the trainer's final eval loss
     model = AutoModelForCausalLM.from_pretrained(out).eval()
+    # it keeps the base model's KV-cache setting (training turns the cache off for packed rows)
+    assert model.config.use_cache is AutoConfig.from_pretrained(f"{assets}/llama-0.5m").use_cache is True
     tokenizer = AutoTokenizer.from_pretrained(out)
     sft = load_algo("sft")
     args = sft.Args(data=DataArgs(input_key="prompt", apply_chat_template=True, max_len=64), output_key="response")
@@ -178,6 +180,7 @@ def test_lora_merged_export_equals_base_plus_adapter(assets, tmp_path, zero_stag
     losses = [m["train/loss"] for m in read_jsonl(tmp_path / "m.jsonl")]
     assert losses[-1] < 0.9 * losses[0], losses  # measured: 5.76 -> 4.78 in 10 steps
     base, merged, adapter = weights(f"{assets}/llama-0.5m"), weights(out), weights(out / "adapter")
+    assert json.loads((out / "config.json").read_text())["use_cache"] is True  # the base model's setting
     assert merged.keys() == base.keys()
     checked = 0
     for key, w in base.items():
@@ -269,6 +272,14 @@ def test_argument_errors_before_model_load(assets, monkeypatch):
     bad = os.path.join(assets, "bad.jsonl")
     with open(bad, "w") as f:
         f.write(json.dumps({"prompt": "reverse: a b", "response": "b a"}) + "\n" + json.dumps({"prompt": "reverse: c"}) + "\n")
-    proc = run_script("sft.py", ["--pretrain", f"{assets}/llama-0.5m", "--dataset", bad, *TASK], expect_ok=False)
-    assert f"{bad}: 1 bad row(s) of 2; first: row 1: missing field 'response'" in proc.stderr
+    # a bad row under torchrun reads like an argument error: one line from rank 0, exit code 1, and
+    # no worker traceback (the only one is torchrun's own ChildFailedError summary)
+    proc = run_script("sft.py", ["--pretrain", f"{assets}/llama-0.5m", "--dataset", bad, *TASK], nproc=2,
+                      expect_ok=False)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: {bad}: 1 bad row(s) of 2; first: row 1: missing field 'response' (fields: "
+                      "['prompt']). Fix the data or pass --skip_bad_rows to skip and count them."], proc.stderr
+    assert "Traceback" not in proc.stdout and "[rank" not in proc.stderr
+    assert proc.stderr.count("Traceback") == proc.stderr.count("raise ChildFailedError(") == 1, proc.stderr
     assert "Loading weights" not in proc.stderr + proc.stdout
