@@ -209,6 +209,7 @@ def main(args: Args):
     row_fn, columns = (lambda r: pref_row(r, tokenizer, args)), ("prompt_ids", "chosen_ids", "rejected_ids")
     cache_key = [inspect.getsource(pref_row), repr(args.data), args.chosen_key, args.rejected_key,
                  tokenizer_fingerprint(tokenizer)]
+
     def prepare():
         train = prepare_dataset(args.data.dataset, args.data.dataset_split, row_fn, columns, args.data, cache_key,
                                 probs=args.data.dataset_probs, seed=args.train.seed, max_samples=args.data.max_samples)

@@ -269,6 +269,7 @@ def main(args: Args):
     row_fn, columns = (lambda r: kto_row(r, tokenizer, args)), ("prompt_ids", "completion_ids", "label", "paired")
     cache_key = [inspect.getsource(kto_row), repr(args.data), args.output_key, args.label_key, args.chosen_key,
                  args.rejected_key, tokenizer_fingerprint(tokenizer)]
+
     def prepare():
         train = one_example_per_row(prepare_dataset(
             args.data.dataset, args.data.dataset_split, row_fn, columns, args.data, cache_key,

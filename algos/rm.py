@@ -325,6 +325,7 @@ def main(args: Args):
     # rank 0 tokenizes first and fills the datasets cache; the others then read it (a data error stops all)
     cache_key = [source, inspect.getsource(sequence_ids), repr(args.data), repr([getattr(args, f) for f in
                  ("prompt_key",) + PAIRWISE_ONLY + PRM_ONLY]), args.prm, tokenizer_fingerprint(tokenizer)]
+
     def prepare():
         train = prepare_dataset(args.data.dataset, args.data.dataset_split, row_fn, columns, args.data, cache_key,
                                 probs=args.data.dataset_probs, seed=args.train.seed, max_samples=args.data.max_samples)

@@ -153,6 +153,7 @@ def main(args: Args):
     row_fn, columns = (lambda r: sft_row(r, tokenizer, args)), ("input_ids", "loss_mask")
     cache_key = [inspect.getsource(sft_row), repr(args.data), args.output_key, args.multiturn, args.pretrain_mode,
                  tokenizer_fingerprint(tokenizer)]
+
     def prepare():
         train = prepare_dataset(args.data.dataset, args.data.dataset_split, row_fn, columns, args.data, cache_key,
                                 probs=args.data.dataset_probs, seed=args.train.seed, max_samples=args.data.max_samples)
