@@ -167,6 +167,8 @@ def die_with_launcher():
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         warnings.warn(f"prctl(PR_SET_PDEATHSIG): {os.strerror(ctypes.get_errno())}; this worker would outlive its launcher")
     elif os.getppid() != _PARENT_AT_IMPORT:  # the launcher died before prctl: we were handed to a reaper
+        print(f"rank {os.environ.get('RANK')}: the torchrun launcher (pid {_PARENT_AT_IMPORT}) has died; exiting",
+              file=sys.stderr)
         os._exit(1)
 
 
