@@ -60,17 +60,19 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import (  # noqa: E402
-    BadRow, DataArgs, format_prompt, format_response, get_field, load_tokenizer, prepare_dataset, tokenizer_fingerprint,
-    validate_data_args,
+    BadRow, DataArgs, format_prompt, format_response, get_field, load_tokenizer, prepare_dataset, rank0_first,
+    tokenizer_fingerprint, validate_data_args,
 )
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
-    deepspeed_config, deepspeed_eval_config, default_attn_implementation, device, finish, init_distributed, is_rank0, load_causal_lm, load_checkpoint,
+    deepspeed_config, deepspeed_eval_config, default_attn_implementation, device, finish, hold_ckpt_path, init_distributed, is_rank0, load_causal_lm, load_checkpoint,
     optimizer_step, save_checkpoint, save_hf_model, set_seed, validate_common_args, world_size_from_env,
 )
 from common.packing import collate, lockstep_shard, to_device  # noqa: E402
 from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
-from common.vllm_engine import EngineArgs, SamplingArgs, create_vllm_engine, vllm_generate  # noqa: E402
+from common.vllm_engine import (  # noqa: E402
+    EngineArgs, EngineError, SamplingArgs, create_vllm_engine, default_max_num_seqs, resolve_max_model_len, vllm_generate,
+)
 
 
 @dataclass
@@ -112,6 +114,8 @@ class Args:
     """Longest on-policy sample in new tokens."""
     generate_temperature: float = 1.0
     """Sampling temperature of the on-policy samples."""
+    rendezvous_timeout: float = 120.0
+    """Seconds the weight-sync group of the on-policy engine waits for its members (--lmbda > 0)."""
     packing_samples: bool = True
     """Bin-pack samples into rows without padding (--no_packing_samples: one padded sample per row)."""
     pack_max_tokens: int = 0
@@ -144,6 +148,9 @@ def parse_args(argv=None):
         raise ValueError("--generate_max_len must be >= 1 and --generate_temperature >= 0")
     if args.pack_max_tokens and args.pack_max_tokens < args.data.max_len:
         raise ValueError(f"--pack_max_tokens {args.pack_max_tokens} must be >= --max_len {args.data.max_len}")
+    if args.lmbda > 0:  # the engine holds a prompt (at most --max_len) and its sample
+        args.vllm.max_model_len = resolve_max_model_len(args.model.pretrain, args.vllm.max_model_len,
+                                                        args.data.max_len + args.generate_max_len)
     check_teacher(args)
     return args
 
@@ -418,17 +425,17 @@ def main(args: Args):
     tokenizer = load_tokenizer(args.model.pretrain, args.data)
     vocab = check_teacher(args)  # the logits of both models are compared over the shared token ids
 
-    # rank 0 tokenizes first and fills the datasets cache; the others then read it
+    # rank 0 tokenizes first and fills the datasets cache; the others then read it (a data error stops all)
     row_fn, columns = (lambda r: distill_row(r, tokenizer, args)), ("input_ids", "loss_mask")
     cache_key = [inspect.getsource(distill_row), repr(args.data), args.output_key, tokenizer_fingerprint(tokenizer)]
-    for turn in ("first", "rest"):
-        if (turn == "first") == is_rank0():
-            train_ds = prepare_dataset(args.data.dataset, args.data.dataset_split, row_fn, columns, args.data, cache_key,
-                                       probs=args.data.dataset_probs, seed=args.train.seed,
-                                       max_samples=args.data.max_samples)
-            eval_ds = args.data.eval_dataset and prepare_dataset(
-                args.data.eval_dataset, args.data.eval_split, row_fn, columns, args.data, cache_key)
-        dist.barrier()
+
+    def prepare():
+        train = prepare_dataset(args.data.dataset, args.data.dataset_split, row_fn, columns, args.data, cache_key,
+                                probs=args.data.dataset_probs, seed=args.train.seed, max_samples=args.data.max_samples)
+        return train, args.data.eval_dataset and prepare_dataset(
+            args.data.eval_dataset, args.data.eval_split, row_fn, columns, args.data, cache_key)
+
+    train_ds, eval_ds = rank0_first(prepare)
 
     batch_size, micro = args.train.train_batch_size, args.train.micro_train_batch_size
     gas = accumulation_steps(batch_size, micro, world)
@@ -478,8 +485,10 @@ def main(args: Args):
     if args.lmbda > 0:  # the student's sampler: a vLLM engine on rank 0, fed the trainer's weights
         from common.weight_sync import WeightSync  # imports vLLM: only for on-policy runs
 
-        llm = create_vllm_engine(args.model.pretrain, args.vllm) if rank == 0 else None
-        sync = WeightSync([llm] if llm is not None else [], colocated=True, tp_size=args.vllm.tp_size)
+        llm = (create_vllm_engine(args.model.pretrain, args.vllm, max_num_seqs=default_max_num_seqs(
+            args.train.train_batch_size)) if rank == 0 else None)  # one sample per prompt of every rank
+        sync = WeightSync([llm] if llm is not None else [], colocated=True, tp_size=args.vllm.tp_size,
+                          timeout_s=args.rendezvous_timeout)
     start_step = 0
     if args.ckpt.load_checkpoint:
         state = load_checkpoint(engine, args.ckpt.ckpt_path)
@@ -569,7 +578,13 @@ def main(args: Args):
 if __name__ == "__main__":
     try:
         parsed = parse_args()
+        hold_ckpt_path(parsed.ckpt)  # a second run on the same --ckpt_path stops here
     except ValueError as e:  # argument mistakes: say what to fix, before any model is loaded
         sys.exit(f"error: {e}")
-    main(parsed)
+    try:
+        main(parsed)
+    except ValueError as e:  # data mistakes, raised alike on every rank: rank 0 says what to fix
+        finish(error=e)
+    except EngineError as e:  # rank 0's on-policy engine failed (torchrun then stops the other ranks)
+        finish(error=e)
     finish()  # exit without interpreter teardown (see common.engine.finish)

@@ -7,6 +7,7 @@ training script nests into its own `Args`.
 
 import atexit
 import ctypes
+import datetime
 import fcntl
 import os
 import random
@@ -135,8 +136,9 @@ def world_size_from_env():
 _PARENT_AT_IMPORT = os.getppid()  # a torchrun worker's launcher, unless it died before this import
 
 
-def init_distributed():
+def init_distributed(timeout_s=None):
     """Join the torchrun group (NCCL on CUDA, gloo on CPU); a plain `python` run is a world of one.
+    timeout_s bounds the rendezvous and every collective (default: torch's 30 minutes).
     A torchrun worker dies with its launcher (see die_with_launcher)."""
     import deepspeed
 
@@ -153,7 +155,8 @@ def init_distributed():
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+    timeout = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False, **timeout)
 
 
 def die_with_launcher():

@@ -184,8 +184,9 @@ class EngineError(RuntimeError):
 
 
 def _engine_error(e, model_path, context=""):
-    cause = _OutputTail.root_cause()
-    return EngineError(f"vLLM engine for {model_path} failed{context}: {cause or f'{type(e).__name__}: {e}'}")
+    own = f"{type(e).__name__}: {' '.join(str(e).split())}"[:600]
+    cause = _OutputTail.root_cause() if "root cause" in str(e) else None  # vLLM's words when its processes failed
+    return EngineError(f"vLLM engine for {model_path} failed{context}: {cause or own}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,7 +210,8 @@ def create_vllm_engine(model_path, args: EngineArgs, enable_sleep=False, colocat
     budget = None
     if not cuda:
         # whole prompts in every step: a split prefill crashes seeded sampling on CPU (see the module docstring)
-        memory = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(CPU_MAX_BATCHED_TOKENS, max_model_len)}
+        memory = {"enable_chunked_prefill": False,
+                  "max_num_batched_tokens": max(CPU_MAX_BATCHED_TOKENS, max_model_len, seqs)}
         if args.vllm_gpu_memory_utilization:
             memory["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
         else:

@@ -233,7 +233,7 @@ def test_on_policy_with_vllm(assets, teacher, tmp_path):
         "--pretrain", f"{assets}/llama-0.5m", "--teacher_model", teacher, "--dataset", f"{data}/sft_train.jsonl",
         "--eval_dataset", f"{data}/sft_test.jsonl", *TASK, "--eval_steps", ON_POLICY_STEPS, "--max_samples", 16 * ON_POLICY_STEPS,
         "--train_batch_size", 16, "--micro_train_batch_size", 8, "--learning_rate", 3e-3, "--kd_coef", 1.0,
-        "--lmbda", 1.0, "--generate_max_len", 16, "--vllm_gpu_memory_utilization", 0.05, "--max_model_len", 128,
+        "--lmbda", 1.0, "--generate_max_len", 16, "--max_model_len", 128,
         "--save_path", tmp_path / "out", "--metrics_file", tmp_path / "m.jsonl",
     ], nproc=2)
     metrics = read_jsonl(tmp_path / "m.jsonl")
