@@ -65,8 +65,9 @@ from common.data import (  # noqa: E402
 )
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
-    deepspeed_config, deepspeed_eval_config, default_attn_implementation, device, finish, hold_ckpt_path, init_distributed, is_rank0, load_causal_lm, load_checkpoint,
-    optimizer_step, save_checkpoint, save_hf_model, set_seed, validate_common_args, world_size_from_env,
+    deepspeed_config, deepspeed_eval_config, default_attn_implementation, device, finish, hold_ckpt_path,
+    init_distributed, is_rank0, load_causal_lm, load_checkpoint, optimizer_step, parse_cli, save_checkpoint,
+    save_hf_model, script_ckpt_args, set_seed, validate_common_args, world_size_from_env,
 )
 from common.packing import collate, lockstep_shard, to_device  # noqa: E402
 from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
@@ -87,7 +88,7 @@ class Args:
     model: ModelArgs = field(default_factory=ModelArgs)
     train: TrainArgs = field(default_factory=lambda: TrainArgs(learning_rate=1e-5))
     data: DataArgs = field(default_factory=DataArgs)
-    ckpt: CkptArgs = field(default_factory=lambda: CkptArgs(save_path="outputs/distill", ckpt_path="outputs/distill_ckpt"))
+    ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
     log: LogArgs = field(default_factory=LogArgs)
     vllm: StudentEngineArgs = field(default_factory=StudentEngineArgs)
     teacher_model: str = tyro.MISSING
@@ -123,7 +124,7 @@ class Args:
 
 
 def parse_args(argv=None):
-    args = tyro.cli(Args, args=argv, config=(tyro.conf.OmitArgPrefixes,), use_underscores=True, description=__doc__)
+    args = parse_cli(Args, argv, __doc__)
     validate_common_args(args.model, args.train, args.ckpt, world_size_from_env())
     validate_data_args(args.data)
     if args.model.aux_loss_coef > 0:

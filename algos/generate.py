@@ -26,7 +26,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import DataArgs, format_prompt, format_response, load_one, load_tokenizer  # noqa: E402
-from common.engine import finish  # noqa: E402
+from common.engine import finish, parse_cli  # noqa: E402
 from common.remote_reward import make_reward_fn  # noqa: E402
 from common.tracking import progress  # noqa: E402
 from common.vllm_engine import (  # noqa: E402
@@ -99,7 +99,7 @@ class Args:
 
 
 def parse_args(argv=None):
-    args = tyro.cli(Args, args=argv, config=(tyro.conf.OmitArgPrefixes,), use_underscores=True, description=__doc__)
+    args = parse_cli(Args, argv, __doc__)
     if args.best_of_n < 1:
         raise ValueError(f"--best_of_n must be >= 1, got {args.best_of_n}")
     if args.reward_func and args.remote_rm_url:

@@ -34,7 +34,9 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common.data import BadRow, format_prompt, load_one, load_tokenizer  # noqa: E402
-from common.engine import CkptArgs, ModelArgs, TrainArgs, accumulation_steps, finish, validate_common_args  # noqa: E402
+from common.engine import (  # noqa: E402
+    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, finish, parse_cli, script_ckpt_args, validate_common_args,
+)
 from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
 from common.vllm_engine import EngineArgs, SamplingArgs, default_max_num_seqs, resolve_max_model_len  # noqa: E402
@@ -72,7 +74,7 @@ class Args:
     model: ModelArgs = field(default_factory=ModelArgs)
     train: ActorTrainArgs = field(default_factory=ActorTrainArgs)
     engine: RolloutEngineArgs = field(default_factory=RolloutEngineArgs)
-    ckpt: CkptArgs = field(default_factory=lambda: CkptArgs(save_path="outputs/grpo", ckpt_path="outputs/grpo_ckpt"))
+    ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
     log: LogArgs = field(default_factory=LogArgs)
     # -- prompts
     prompt_data: str = tyro.MISSING
@@ -189,7 +191,7 @@ class Args:
 
 
 def parse_args(argv=None):
-    args = tyro.cli(Args, args=argv, config=(tyro.conf.OmitArgPrefixes,), use_underscores=True, description=__doc__)
+    args = parse_cli(Args, argv, __doc__)
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
     validate_common_args(args.model, args.train, args.ckpt, world)
     n = args.n_samples_per_prompt

@@ -32,7 +32,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import (  # noqa: E402
@@ -41,8 +40,8 @@ from common.data import (  # noqa: E402
 )
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_train_engine, deepspeed_config, device,
-    finish, hold_ckpt_path, init_distributed, is_rank0, load_causal_lm, load_checkpoint, optimizer_step,
-    save_checkpoint, save_hf_model, set_seed, validate_common_args, world_size_from_env,
+    finish, hold_ckpt_path, init_distributed, is_rank0, load_causal_lm, load_checkpoint, optimizer_step, parse_cli,
+    save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args, world_size_from_env,
 )
 from common.packing import collate, to_device  # noqa: E402
 from common.reward import lockstep_forwards, sequence_rewards, unwrap  # noqa: E402
@@ -60,7 +59,7 @@ class Args:
     model: ModelArgs = field(default_factory=ModelArgs)
     train: TrainArgs = field(default_factory=lambda: TrainArgs(learning_rate=9e-6))
     data: RMDataArgs = field(default_factory=RMDataArgs)
-    ckpt: CkptArgs = field(default_factory=lambda: CkptArgs(save_path="outputs/rm", ckpt_path="outputs/rm_ckpt"))
+    ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
     log: LogArgs = field(default_factory=LogArgs)
     prompt_key: Optional[str] = None
     """Field holding the prompt (string or chat messages); unset: the response fields hold whole texts or conversations."""
@@ -93,7 +92,7 @@ PRM_ONLY = ("label_key", "placeholder_token", "reward_tokens")
 
 
 def parse_args(argv=None):
-    args = tyro.cli(Args, args=argv, config=(tyro.conf.OmitArgPrefixes,), use_underscores=True, description=__doc__)
+    args = parse_cli(Args, argv, __doc__)
     validate_common_args(args.model, args.train, args.ckpt, world_size_from_env())
     validate_data_args(args.data)
     defaults = {f.name: f.default for f in fields(Args)}

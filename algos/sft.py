@@ -17,7 +17,6 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import (  # noqa: E402
@@ -26,8 +25,8 @@ from common.data import (  # noqa: E402
 )
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_train_engine, deepspeed_config, device,
-    finish, hold_ckpt_path, init_distributed, is_rank0, load_causal_lm, load_checkpoint, optimizer_step,
-    save_checkpoint, save_hf_model, set_seed, validate_common_args, world_size_from_env,
+    finish, hold_ckpt_path, init_distributed, is_rank0, load_causal_lm, load_checkpoint, optimizer_step, parse_cli,
+    save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args, world_size_from_env,
 )
 from common.packing import collate, lockstep_shard, per_sample_sum, to_device, token_logps  # noqa: E402
 from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
@@ -38,7 +37,7 @@ class Args:
     model: ModelArgs = field(default_factory=ModelArgs)
     train: TrainArgs = field(default_factory=lambda: TrainArgs(learning_rate=1e-5))
     data: DataArgs = field(default_factory=DataArgs)
-    ckpt: CkptArgs = field(default_factory=lambda: CkptArgs(save_path="outputs/sft", ckpt_path="outputs/sft_ckpt"))
+    ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
     log: LogArgs = field(default_factory=LogArgs)
     output_key: str = "output"
     """Field holding the response (prompt/response data)."""
@@ -53,7 +52,7 @@ class Args:
 
 
 def parse_args(argv=None):
-    args = tyro.cli(Args, args=argv, config=(tyro.conf.OmitArgPrefixes,), use_underscores=True, description=__doc__)
+    args = parse_cli(Args, argv, __doc__)
     validate_common_args(args.model, args.train, args.ckpt, world_size_from_env())
     validate_data_args(args.data)
     if args.multiturn and not args.data.apply_chat_template:

@@ -17,8 +17,9 @@ import signal
 import socket
 import sys
 import threading
+import typing
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Optional
 
 import numpy as np
@@ -98,6 +99,45 @@ class CkptArgs:
     """Keep only the newest N checkpoints."""
     merge_lora: bool = False
     """With LoRA, export base weights merged with the adapter (the adapter also goes to save_path/adapter)."""
+
+
+def script_ckpt_args(script):
+    """CkptArgs whose --save_path / --ckpt_path default to outputs/<script name> and outputs/<script name>_ckpt
+    (CleanRL's exp_name from __file__), so a copy (my_dpo.py) never writes to, or resumes, its parent's run."""
+    name = os.path.splitext(os.path.basename(script))[0]
+    return CkptArgs(save_path=f"outputs/{name}", ckpt_path=f"outputs/{name}_ckpt")
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line: one flat flag per field (--zero_stage, not --train.zero_stage)
+# ----------------------------------------------------------------------------------------------
+def parse_cli(cls, argv, description):
+    """`tyro.cli(cls)` with the option groups' prefixes omitted. Two fields that would get the same flag
+    (a field a fork adds under a name a shared option group already uses) raise ValueError naming both,
+    where tyro would stop with a bare `AssertionError: Name conflict`."""
+    owners = {}
+    for flag, owner in cli_flags(cls, cls.__name__):
+        if flag in owners:
+            raise ValueError(f"{flag} is defined twice: by {owners[flag]} and by {owner}; rename the new field")
+        owners[flag] = owner
+    return tyro.cli(cls, args=argv, config=(tyro.conf.OmitArgPrefixes,), use_underscores=True, description=description)
+
+
+def cli_flags(cls, path):
+    """(flag, owner) for every flag of the dataclass `cls`, nested option groups and aliases included."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    for f in fields(cls):
+        hint, marks = hints[f.name], ()
+        if typing.get_origin(hint) is typing.Annotated:
+            hint, *marks = typing.get_args(hint)
+        owner = f"{path}.{f.name}" + (f" (option group {cls.__name__})" if "." in path else "")
+        if is_dataclass(hint):
+            yield from cli_flags(hint, f"{path}.{f.name}")
+        elif tyro.conf.Suppress not in marks:
+            config = next((m for m in marks if hasattr(m, "aliases") and hasattr(m, "name")), None)
+            yield f"--{(config and config.name) or f.name}", owner
+            for alias in (config and config.aliases) or ():
+                yield alias, owner
 
 
 def validate_common_args(model: ModelArgs, train: TrainArgs, ckpt: CkptArgs, world_size: int):

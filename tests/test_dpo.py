@@ -249,3 +249,37 @@ def test_bad_input(assets, tmp_path):
     assert f"{bad}: skipped 1 bad row(s) of 8" in proc.stdout
     assert [m["step"] for m in read_jsonl(tmp_path / "m.jsonl")] == [1]  # 7 good pairs: one step of 4
     assert os.path.exists(tmp_path / "out" / "model.safetensors")
+
+
+def load_fork(path, name, edits=()):
+    """Copy algos/dpo.py to path/<name>.py with (old, new) text edits, and import the copy."""
+    import importlib.util
+    import sys
+
+    source = open(os.path.join(os.path.dirname(__file__), "..", "algos", "dpo.py")).read()
+    for old, new in edits:
+        assert old in source
+        source = source.replace(old, new)
+    file = os.path.join(path, f"{name}.py")
+    with open(file, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # tyro looks classes up by module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fork_writes_to_its_own_place_and_names_a_flag_conflict(tmp_path):
+    required = ["--pretrain", "some/model", "--dataset", "a.jsonl"]
+    parsed = load_algo("dpo").parse_args(required)
+    assert (parsed.ckpt.save_path, parsed.ckpt.ckpt_path) == ("outputs/dpo", "outputs/dpo_ckpt")
+    parsed = load_fork(tmp_path, "my_dpo").parse_args(required)
+    assert (parsed.ckpt.save_path, parsed.ckpt.ckpt_path) == ("outputs/my_dpo", "outputs/my_dpo_ckpt")
+    # a fork adds a flag that a shared option group already has: the error names both fields
+    fork = load_fork(tmp_path, "my_dpo_seed", [('    beta: float = 0.1\n', '    beta: float = 0.1\n    seed: int = 0\n')])
+    with pytest.raises(ValueError, match=r"--seed is defined twice: by Args\.train\.seed \(option group TrainArgs\) "
+                                         r"and by Args\.seed; rename the new field"):
+        fork.parse_args(required)
+    fork = load_fork(tmp_path, "my_dpo_alias", [('    beta: float = 0.1\n', '    beta: float = 0.1\n    prompt_key: str = "q"\n')])
+    with pytest.raises(ValueError, match=r"--prompt_key is defined twice: by Args\.data\.input_key"):
+        fork.parse_args(required)
