@@ -79,24 +79,27 @@ def test_grpo_trainer_killed_mid_run(assets, rl_start_model, tmp_path):
     args = grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size", 64,
                      "--max_steps", 200, "--eval_steps", 1000)
     tag, env = tagged_env()
+    log = open(tmp_path / "grpo.log", "w+")  # a file, not a pipe nobody reads while the run logs
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "algos", "grpo.py")] + [str(a) for a in args], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 300
         while time.time() < deadline and not (os.path.exists(tmp_path / "metrics.jsonl") and
                                               any("train/reward" in m for m in read_jsonl(tmp_path / "metrics.jsonl"))):
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert proc.poll() is None, (tmp_path / "grpo.log").read_text()[-3000:]
             time.sleep(1)
         trainers = [p for p in psutil.process_iter(["pid", "cmdline"])
                     if "ray::PolicyTrainer" in " ".join(p.info["cmdline"] or []) and _tag_of(p) == tag]
         assert len(trainers) == 2, processes_of(tag)
         trainers[0].send_signal(signal.SIGKILL)
         killed = time.time()
-        _, stderr = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
         seconds = time.time() - killed
     finally:
         if proc.poll() is None:
             proc.kill()
+        log.close()
+    stderr = (tmp_path / "grpo.log").read_text()
     assert proc.returncode == 1, stderr[-3000:]
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
     print(f"{seconds:.1f} s after the kill: {errors}")
