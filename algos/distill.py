@@ -43,7 +43,6 @@ world of one.
 
 import gc
 import hashlib
-import inspect
 import json
 import math
 import os
@@ -61,7 +60,7 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import (  # noqa: E402
     BadRow, DataArgs, format_prompt, format_response, get_field, load_tokenizer, prepare_dataset, rank0_first,
-    tokenizer_fingerprint, validate_data_args,
+    tokenization_cache_key, validate_data_args,
 )
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
@@ -428,7 +427,7 @@ def main(args: Args):
 
     # rank 0 tokenizes first and fills the datasets cache; the others then read it (a data error stops all)
     row_fn, columns = (lambda r: distill_row(r, tokenizer, args)), ("input_ids", "loss_mask")
-    cache_key = [inspect.getsource(distill_row), repr(args.data), args.output_key, tokenizer_fingerprint(tokenizer)]
+    cache_key = tokenization_cache_key(__file__, tokenizer, args)
 
     def prepare():
         train = prepare_dataset(args.data.dataset, args.data.dataset_split, row_fn, columns, args.data, cache_key,

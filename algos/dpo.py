@@ -29,7 +29,6 @@ its parameters on the CPU, in the cache pass too).  A plain `python algos/dpo.py
 """
 
 import gc
-import inspect
 import os
 import sys
 import time
@@ -44,7 +43,7 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import (  # noqa: E402
     BadRow, DataArgs, format_prompt, format_response, get_field, load_tokenizer, prepare_dataset, rank0_first,
-    tokenizer_fingerprint, validate_data_args,
+    tokenization_cache_key, validate_data_args,
 )
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, create_eval_engine, create_train_engine, deepspeed_config,
@@ -207,8 +206,7 @@ def main(args: Args):
 
     # rank 0 tokenizes first and fills the datasets cache; the others then read it (a data error stops all)
     row_fn, columns = (lambda r: pref_row(r, tokenizer, args)), ("prompt_ids", "chosen_ids", "rejected_ids")
-    cache_key = [inspect.getsource(pref_row), repr(args.data), args.chosen_key, args.rejected_key,
-                 tokenizer_fingerprint(tokenizer)]
+    cache_key = tokenization_cache_key(__file__, tokenizer, args)
 
     def prepare():
         train = prepare_dataset(args.data.dataset, args.data.dataset_split, row_fn, columns, args.data, cache_key,

@@ -35,7 +35,6 @@ beside the policy and runs it on every micro-batch (ZeRO-3 partitioned when trai
 """
 
 import gc
-import inspect
 import os
 import sys
 import time
@@ -49,7 +48,7 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import (  # noqa: E402
     BadRow, DataArgs, format_prompt, format_response, get_field, load_tokenizer, prepare_dataset, rank0_first,
-    tokenizer_fingerprint, validate_data_args,
+    tokenization_cache_key, validate_data_args,
 )
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, create_eval_engine, create_train_engine, deepspeed_config,
@@ -267,8 +266,7 @@ def main(args: Args):
 
     # rank 0 tokenizes first and fills the datasets cache; the others then read it (a data error stops all)
     row_fn, columns = (lambda r: kto_row(r, tokenizer, args)), ("prompt_ids", "completion_ids", "label", "paired")
-    cache_key = [inspect.getsource(kto_row), repr(args.data), args.output_key, args.label_key, args.chosen_key,
-                 args.rejected_key, tokenizer_fingerprint(tokenizer)]
+    cache_key = tokenization_cache_key(__file__, tokenizer, args)
 
     def prepare():
         train = one_example_per_row(prepare_dataset(

@@ -23,7 +23,6 @@ averaged over the labelled steps of the optimizer step. The export is a plain ca
 same softmax at each tag.
 """
 
-import inspect
 import os
 import sys
 import time
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import (  # noqa: E402
     BadRow, DataArgs, format_prompt, format_response, get_field, load_tokenizer, prepare_dataset, rank0_first,
-    tokenizer_fingerprint, validate_data_args,
+    tokenization_cache_key, validate_data_args,
 )
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_train_engine, deepspeed_config, device,
@@ -314,16 +313,13 @@ def main(args: Args):
         tag_id = single_token(tokenizer, args.placeholder_token, "--placeholder_token")
         reward_ids = [single_token(tokenizer, t, "--reward_tokens") for t in args.reward_tokens]
         row_fn, columns = (lambda r: step_row(r, tokenizer, args, tag_id, args.reward_tokens)), ("input_ids", "step_labels")
-        source = inspect.getsource(step_row)
     else:
         check_value_head(args)
         reward_ids = None
         row_fn, columns = (lambda r: pair_row(r, tokenizer, args)), ("chosen_ids", "rejected_ids", "margin")
-        source = inspect.getsource(pair_row)
 
     # rank 0 tokenizes first and fills the datasets cache; the others then read it (a data error stops all)
-    cache_key = [source, inspect.getsource(sequence_ids), repr(args.data), repr([getattr(args, f) for f in
-                 ("prompt_key",) + PAIRWISE_ONLY + PRM_ONLY]), args.prm, tokenizer_fingerprint(tokenizer)]
+    cache_key = tokenization_cache_key(__file__, tokenizer, args)
 
     def prepare():
         train = prepare_dataset(args.data.dataset, args.data.dataset_split, row_fn, columns, args.data, cache_key,

@@ -10,7 +10,6 @@ ranks), so gradient accumulation and the number of ranks do not change it.  A pl
 algos/sft.py` is a world of one.
 """
 
-import inspect
 import os
 import sys
 import time
@@ -21,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import (  # noqa: E402
     BadRow, DataArgs, format_prompt, format_response, get_field, load_tokenizer, prepare_dataset, rank0_first,
-    tokenizer_fingerprint, validate_data_args,
+    tokenization_cache_key, validate_data_args,
 )
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_train_engine, deepspeed_config, device,
@@ -150,8 +149,7 @@ def main(args: Args):
 
     # rank 0 tokenizes first and fills the datasets cache; the others then read it (a data error stops all)
     row_fn, columns = (lambda r: sft_row(r, tokenizer, args)), ("input_ids", "loss_mask")
-    cache_key = [inspect.getsource(sft_row), repr(args.data), args.output_key, args.multiturn, args.pretrain_mode,
-                 tokenizer_fingerprint(tokenizer)]
+    cache_key = tokenization_cache_key(__file__, tokenizer, args)
 
     def prepare():
         train = prepare_dataset(args.data.dataset, args.data.dataset_split, row_fn, columns, args.data, cache_key,

@@ -5,9 +5,10 @@ What a row turns into (which fields, which tokens carry loss) is decided by each
 this module only runs that function over the data and reports bad rows by file and row.
 """
 
+import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Callable, Optional
 
 import tyro
@@ -197,7 +198,7 @@ def prepare_dataset(specs, split, row_fn: Callable, columns, args: DataArgs, cac
     first bad row (file, row, reason) or skip and count them, then mix or concatenate.
 
     Results are cached by `datasets` under a fingerprint of the raw data and `cache_key`, which must
-    change whenever the row function's output would (pass its source, tokenizer and options).
+    change whenever the row function's output would (pass tokenization_cache_key's).
     """
     import datasets
     from datasets.fingerprint import Hasher
@@ -285,3 +286,15 @@ def tokenizer_fingerprint(tokenizer):
     backend = getattr(tokenizer, "backend_tokenizer", None)
     return [backend.to_str() if backend is not None else tokenizer.name_or_path, len(tokenizer),
             tokenizer.chat_template, tokenizer.eos_token, tokenizer.pad_token]
+
+
+def tokenization_cache_key(script, tokenizer, args):
+    """What the rows a script tokenizes depend on, for prepare_dataset's cache: the whole script file (its
+    row function and every helper that function calls, `tokenize` included), this module's source
+    (format_prompt, format_response, get_field), the tokenizer, and the options: the data group and the
+    script's own fields (the other groups, model / train / checkpoint / logging, shape no row: a row
+    function that reads one of them must add it here)."""
+    sources = [hashlib.sha256(open(path, "rb").read()).hexdigest() for path in (script, __file__)]
+    values = {f.name: getattr(args, f.name) for f in fields(args)}
+    options = {k: v for k, v in values.items() if isinstance(v, DataArgs) or not is_dataclass(v)}
+    return [sources, repr(options), tokenizer_fingerprint(tokenizer)]

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import load_algo, max_weight_diff, read_jsonl, run_script, weights
+from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script, weights
 
 from common.data import DataArgs
 from common.packing import collate, token_logps
@@ -283,3 +283,24 @@ def test_argument_errors_before_model_load(assets, monkeypatch):
     assert "Traceback" not in proc.stdout and "[rank" not in proc.stderr
     assert proc.stderr.count("Traceback") == proc.stderr.count("raise ChildFailedError(") == 1, proc.stderr
     assert "Loading weights" not in proc.stderr + proc.stdout
+
+
+def test_a_copied_script_sees_its_own_tokenize_edit(assets, tmp_path):
+    """The tokenization cache is keyed by the whole script file: a copy whose `tokenize` helper differs
+    (the row function itself unchanged) tokenizes afresh instead of reading the parent's cached rows."""
+    data = tmp_path / "four.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"reverse: {w}", "response": w}) + "\n" for w in "abcd"))
+    cli = ["--pretrain", f"{assets}/llama-0.5m", "--dataset", data, *TASK, "--train_batch_size", 8,
+           "--micro_train_batch_size", 8]
+    # the parent tokenizes the 4 rows (and caches them), then stops before loading a model: too few rows
+    proc = run_script("sft.py", cli, expect_ok=False)
+    assert "error: 4 training samples is fewer than --train_batch_size 8" in proc.stderr, proc.stderr
+    source = open(os.path.join(ROOT, "algos", "sft.py")).read()
+    edited = source.replace('def tokenize(tokenizer, text, add_special_tokens=False):\n',
+                            'def tokenize(tokenizer, text, add_special_tokens=False):\n'
+                            '    raise BadRow("the edited tokenize ran")\n')
+    assert edited != source
+    fork = tmp_path / "my_sft.py"
+    fork.write_text(edited)
+    proc = run_script(str(fork), cli, expect_ok=False, env={"PYTHONPATH": ROOT})
+    assert "row 0: the edited tokenize ran" in proc.stderr, proc.stderr
