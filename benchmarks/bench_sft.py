@@ -10,8 +10,10 @@ Each layout trains its own fresh copy of the model; the two alternate step by st
 on the machine slows both alike. "loss step 1" must agree between layouts (same weights, same samples).
 
 It runs the plain Hugging Face model with torch.optim.AdamW, not DeepSpeed: DeepSpeed's start-up
-costs seconds and adds nothing to a comparison of batch layouts. CPU: fp32 + SDPA. CUDA: bf16, and
-flash_attention_2 with one packed row per micro-batch when flash_attn imports (as sft.py's make_batch).
+costs seconds and adds nothing to a comparison of batch layouts. CPU: fp32; padded and packed rows
+through transformers' SDPA (a block-diagonal mask over each packed row), and packed rows through
+common/varlen_attention.py (attention within each sample, what the scripts use on CPU). CUDA: bf16,
+and flash_attention_2 with one packed row per micro-batch when flash_attn imports (as sft.py's make_batch).
 """
 
 import math
@@ -26,6 +28,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.packing import collate, to_device, token_logps  # noqa: E402
+from common.varlen_attention import NAME as VARLEN  # noqa: E402
 
 
 @dataclass
@@ -109,14 +112,16 @@ def main(args: Args):
     # processes on the machine slows both alike
     from transformers import AutoModelForCausalLM
 
-    layouts = {"padded": False, "packed": True}
-    models = {name: AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation=attn).to(dev).train()
-              for name in layouts}
+    layouts = {"padded": (False, attn), "packed": (True, attn)}  # name: (packing, attention implementation)
+    if dev.type == "cpu":
+        layouts["varlen"] = (True, VARLEN)
+    models = {name: AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation=impl).to(dev).train()
+              for name, (_, impl) in layouts.items()}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-5) for name, m in models.items()}
     stats = {name: [] for name in layouts}
     first_loss = {}
     for i, chunk in enumerate(micro_batches):
-        for name, packing in layouts.items():
+        for name, (packing, _) in layouts.items():
             batch = collate(chunk, pad_id, packing=packing, max_tokens=args.max_len, one_row=packing and flash)
             loss, seconds = train_step(models[name], optimizers[name], to_device(batch, dev), dev)
             first_loss.setdefault(name, loss)
@@ -139,7 +144,9 @@ def main(args: Args):
         throughput[name] = real / seconds
         print(f"{name:<8} {shape:>20} {1 - real / total:>13.3f} {throughput[name]:>10.0f} {seconds / n:>8.3f} "
               f"{first_loss[name]:>12.5f}")
-    print(f"speedup packed/padded: {throughput['packed'] / throughput['padded']:.2f}x")
+    for name in layouts:
+        if name != "padded":
+            print(f"speedup {name}/padded: {throughput[name] / throughput['padded']:.2f}x")
 
 
 if __name__ == "__main__":
