@@ -25,7 +25,7 @@ import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.data import DataArgs, format_prompt, format_response, load_one, load_tokenizer  # noqa: E402
+from common.data import DataArgs, format_prompt, format_response, load_one, load_tokenizer, validate_prompt_args  # noqa: E402
 from common.engine import finish, parse_cli  # noqa: E402
 from common.remote_reward import make_reward_fn  # noqa: E402
 from common.tracking import progress  # noqa: E402
@@ -116,8 +116,7 @@ def parse_args(argv=None):
     if args.reward_func or args.remote_rm_url:  # fail now, not after generating: an empty batch loads the file
         make_reward_fn(args.reward_func or args.remote_rm_url, args.remote_rm_token,  # or asks the server
                        flag="--reward_func" if args.reward_func else "--remote_rm_url")([], [], [])
-    if args.input_template is not None and "{}" not in args.input_template:
-        raise ValueError(f"--input_template must contain '{{}}', got {args.input_template!r}")
+    validate_prompt_args(args.input_template, args.apply_chat_template)
     if args.engine.max_model_len is not None:  # more than the model allows fails now, not in vLLM
         resolve_max_model_len(args.pretrain, args.engine.max_model_len, args.engine.max_model_len)
     if args.processed_path is None and args.post_processor != "none":

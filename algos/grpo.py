@@ -33,7 +33,7 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common.data import BadRow, format_prompt, load_one, load_tokenizer  # noqa: E402
+from common.data import BadRow, format_prompt, load_one, load_tokenizer, validate_prompt_args  # noqa: E402
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, finish, parse_cli, script_ckpt_args, validate_common_args,
 )
@@ -70,12 +70,20 @@ class RolloutEngineArgs(EngineArgs):
 
 
 @dataclass
+class RolloutLogArgs(LogArgs):
+    logging_steps: int = 1
+    """Log training scalars every N rollout steps."""
+    eval_steps: int = -1
+    """Evaluate on --eval_dataset every N rollout steps (-1: only before the first and after the last rollout step)."""
+
+
+@dataclass
 class Args:
     model: ModelArgs = field(default_factory=ModelArgs)
     train: ActorTrainArgs = field(default_factory=ActorTrainArgs)
     engine: RolloutEngineArgs = field(default_factory=RolloutEngineArgs)
     ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
-    log: LogArgs = field(default_factory=LogArgs)
+    log: RolloutLogArgs = field(default_factory=RolloutLogArgs)
     # -- prompts
     prompt_data: str = tyro.MISSING
     """Prompt dataset (any spec common/data.py loads: file, folder, type@dir, hub name)."""
@@ -194,6 +202,8 @@ def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
     validate_common_args(args.model, args.train, args.ckpt, world)
+    if args.model.aux_loss_coef > 0:
+        raise ValueError("--aux_loss_coef (MoE load balancing) is not implemented in grpo.py")
     n = args.n_samples_per_prompt
     if n < 1:
         raise ValueError(f"--n_samples_per_prompt must be >= 1, got {n}")
@@ -229,8 +239,7 @@ def parse_args(argv=None):
                          f"x --vllm_tensor_parallel_size must equal {world} trainer ranks")
     if args.vllm_enable_sleep and not args.colocate_all_models:
         raise ValueError("--vllm_enable_sleep only helps with --colocate_all_models")
-    if args.input_template is not None and "{}" not in args.input_template:
-        raise ValueError(f"--input_template must contain '{{}}', got {args.input_template!r}")
+    validate_prompt_args(args.input_template, args.apply_chat_template)
     return args
 
 
@@ -384,6 +393,13 @@ def make_batch(samples, pad_id, max_tokens, flash, values=()):
     return batch
 
 
+def reference_args(args: Args):
+    """The frozen reference model (--init_kl_coef > 0): the start policy, loaded as the policy is (attention
+    kernel, 4-bit)."""
+    return ModelArgs(pretrain=args.model.pretrain, attn_implementation=args.model.attn_implementation,
+                     load_in_4bit=args.model.load_in_4bit)
+
+
 # ----------------------------------------------------------------------------------------------
 # The trainer: one Ray actor per rank; together one torch.distributed group running DeepSpeed
 # ----------------------------------------------------------------------------------------------
@@ -418,7 +434,7 @@ class PolicyTrainer:
         self.ref = None
         if args.init_kl_coef > 0:  # coefficient 0: no reference model at all
             ref_config = deepspeed_eval_config(args.train, self.world)
-            ref_model = load_causal_lm(ModelArgs(pretrain=args.model.pretrain), ref_config)
+            ref_model = load_causal_lm(reference_args(args), ref_config)
             self.ref = create_eval_engine(ref_model, ref_config)
         return True
 

@@ -94,6 +94,8 @@ def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
     validate_common_args(args.model, args.train, args.ckpt, world_size_from_env())
     validate_data_args(args.data)
+    if args.model.aux_loss_coef > 0:
+        raise ValueError("--aux_loss_coef (MoE load balancing) is not implemented in rm.py")
     defaults = {f.name: f.default for f in fields(Args)}
     for name in PAIRWISE_ONLY if args.prm else PRM_ONLY:  # no flag is parsed and then ignored
         if getattr(args, name) != defaults[name]:

@@ -58,6 +58,13 @@ def parse_args(argv=None):
         raise ValueError("--multiturn needs --apply_chat_template (turn boundaries come from the chat template)")
     if args.multiturn and args.pretrain_mode:
         raise ValueError("--multiturn and --pretrain_mode exclude each other")
+    if args.pretrain_mode:  # plain text, no template
+        for flag in ("apply_chat_template", "input_template", "tokenizer_chat_template"):
+            if getattr(args.data, flag) not in (None, False):
+                raise ValueError(f"--{flag} does not apply to --pretrain_mode (plain text, loss on every token)")
+    if (args.pretrain_mode or args.multiturn) and args.output_key != Args.output_key:
+        raise ValueError(f"--output_key is read only from prompt/response data, not with "
+                         f"{'--pretrain_mode' if args.pretrain_mode else '--multiturn'} (the text is in --input_key)")
     if args.pack_max_tokens and args.pack_max_tokens < args.data.max_len:
         raise ValueError(f"--pack_max_tokens {args.pack_max_tokens} must be >= --max_len {args.data.max_len}")
     return args

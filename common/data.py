@@ -61,10 +61,18 @@ def validate_data_args(args: DataArgs):
             raise ValueError(f"--dataset_probs has {len(probs)} values but --dataset names {len(specs)} datasets")
         if any(p < 0 for p in probs) or abs(sum(probs) - 1) > 1e-6:
             raise ValueError(f"--dataset_probs must be non-negative and sum to 1, got {args.dataset_probs}")
-    if args.input_template is not None and "{}" not in args.input_template:
-        raise ValueError(f"--input_template must contain '{{}}' where the prompt goes, got {args.input_template!r}")
+    validate_prompt_args(args.input_template, args.apply_chat_template)
     if args.max_len < 2:
         raise ValueError(f"--max_len must be >= 2, got {args.max_len}")
+
+
+def validate_prompt_args(input_template, apply_chat_template):
+    """The prompt format flags: one '{}' in --input_template, which the chat template would ignore."""
+    if input_template is not None and "{}" not in input_template:
+        raise ValueError(f"--input_template must contain '{{}}' where the prompt goes, got {input_template!r}")
+    if input_template is not None and apply_chat_template:
+        raise ValueError("--input_template and --apply_chat_template exclude each other (the chat template "
+                         "formats the prompt; put any wording into --tokenizer_chat_template)")
 
 
 def split_specs(specs):

@@ -278,6 +278,19 @@ def test_validate_data_args_accepts_good_args():
     validate_data_args(DataArgs(dataset="a.jsonl, b.jsonl", dataset_probs="0.25,0.75", input_template="Q: {}\nA: "))
 
 
+def test_input_template_with_chat_template_is_refused_in_every_script():
+    from conftest import load_algo
+
+    message = "--input_template and --apply_chat_template exclude each other"
+    with pytest.raises(ValueError, match=message):
+        validate_data_args(DataArgs(dataset="a.jsonl", input_template="Q: {}", apply_chat_template=True))
+    flags = ["--input_template", "Q: {}", "--apply_chat_template"]
+    with pytest.raises(ValueError, match=message):  # generate.py has its own prompt flags
+        load_algo("generate").parse_args(["--pretrain", "m", "--dataset", "d.jsonl", "--output_path", "o.jsonl", *flags])
+    with pytest.raises(ValueError, match=message):
+        load_algo("sft").parse_args(["--pretrain", "m", "--dataset", "d.jsonl", *flags])
+
+
 def test_validate_data_args_probs_messages():
     with pytest.raises(ValueError, match=r"--dataset_probs has 1 values but --dataset names 2 datasets"):
         validate_data_args(DataArgs(dataset="a.jsonl,b.jsonl", dataset_probs="1.0"))

@@ -217,3 +217,21 @@ def test_bad_input(assets, rl_start_model, tmp_path):
                                            64, "--max_steps", 1, reward=raising), expect_ok=False, timeout=900)
     assert proc.returncode != 0 and str(raising) in proc.stderr and "ZeroDivisionError" in proc.stderr
     assert "sample" in proc.stderr
+
+
+def test_argument_errors_and_reference_options(assets, capsys):
+    required = ["--pretrain", f"{assets}/llama-0.5m", "--prompt_data", "d.jsonl", "--remote_rm_url", REWARD,
+                "--prompt_max_len", "48", "--generate_max_len", "16"]
+    with pytest.raises(ValueError, match=r"--aux_loss_coef \(MoE load balancing\) is not implemented in grpo.py"):
+        grpo.parse_args([*required, "--aux_loss_coef", "0.01"])
+    with pytest.raises(ValueError, match="--input_template and --apply_chat_template exclude each other"):
+        grpo.parse_args([*required, "--input_template", "Q: {}", "--apply_chat_template"])
+    # the reference model is loaded as the policy is
+    parsed = grpo.parse_args([*required, "--init_kl_coef", "0.01", "--attn_implementation", "eager", "--lora_rank", "8",
+                              "--load_in_4bit"])
+    ref = grpo.reference_args(parsed)
+    assert (ref.pretrain, ref.attn_implementation, ref.load_in_4bit) == (f"{assets}/llama-0.5m", "eager", True)
+    with pytest.raises(SystemExit):
+        grpo.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "every N rollout steps" in help_text and "optimizer steps (-1" not in help_text

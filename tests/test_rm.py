@@ -391,6 +391,7 @@ def test_argument_errors(assets, monkeypatch):
         (["--prm", "--reward_tokens", "+", "+"], "--reward_tokens must be two different tokens"),
         (["--input_template", "Q: {}"], "--input_template formats the prompt: set --prompt_key"),
         (["--max_len", "64", "--pack_max_tokens", "32"], "--pack_max_tokens 32 must be >= --max_len 64"),
+        (["--aux_loss_coef", "0.01"], "--aux_loss_coef .MoE load balancing. is not implemented in rm.py"),
     ]
     for extra, message in errors:
         with pytest.raises(ValueError, match=message):

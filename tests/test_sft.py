@@ -260,6 +260,12 @@ def test_argument_errors_before_model_load(assets, monkeypatch):
         sft.parse_args([*required, "--multiturn"])
     with pytest.raises(ValueError, match="--load_in_4bit"):
         sft.parse_args([*required, "--load_in_4bit"])
+    for flag in (["--apply_chat_template"], ["--input_template", "T: {}"], ["--tokenizer_chat_template", "{{x}}"]):
+        with pytest.raises(ValueError, match=f"{flag[0]} does not apply to --pretrain_mode"):
+            sft.parse_args([*required, "--pretrain_mode", *flag])
+    for mode in (["--pretrain_mode"], ["--multiturn", "--apply_chat_template"]):
+        with pytest.raises(ValueError, match=f"--output_key is read only from prompt/response data, not with {mode[0]}"):
+            sft.parse_args([*required, *mode, "--output_key", "response"])
     with pytest.raises(SystemExit):  # tyro: --pretrain and --dataset are required
         sft.parse_args(["--train_batch_size", "8"])
     monkeypatch.delenv("WORLD_SIZE")
