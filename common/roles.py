@@ -39,9 +39,9 @@ def root_cause(error):
         text = str(cause).strip()
         return f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}"
     text = str(error)
-    raised = [m.group(1) for m in re.finditer(r"^\s*((?:\w+\.)*\w*(?:Error|Exception|Exit)\w*: .+)$", text, re.M)]
+    raised = [m for m in re.finditer(r"^\s*(?:\w+\.)*(\w*(?:Error|Exception|Exit)\w*): (.+)$", text, re.M)]
     if raised:
-        return raised[-1].strip()
+        return f"{raised[-1].group(1)}: {raised[-1].group(2).strip()}"  # the type without its module path
     died = re.search(r"Worker exit detail: (.+?)(?: There are some potential root causes|$)", text, re.S)
     if died:
         return "its process died: " + " ".join(died.group(1).split())
