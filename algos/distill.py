@@ -69,7 +69,7 @@ from common.engine import (  # noqa: E402
     save_hf_model, script_ckpt_args, set_seed, validate_common_args, world_size_from_env,
 )
 from common.packing import collate, lockstep_shard, to_device  # noqa: E402
-from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
+from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 from common.vllm_engine import (  # noqa: E402
     EngineArgs, EngineError, SamplingArgs, create_vllm_engine, default_max_num_seqs, resolve_max_model_len, vllm_generate,
 )
@@ -554,9 +554,7 @@ def main(args: Args):
             dist.all_reduce(gap, op=dist.ReduceOp.MAX)
             metrics["train/vllm_logp_max_diff"] = gap.item()
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", kd=f"{metrics['train/kd']:.4f}")
-        end_of_epoch = global_step % steps_per_epoch == 0
-        if eval_ds and ((args.log.eval_steps > 0 and global_step % args.log.eval_steps == 0)
-                        or (args.log.eval_steps <= 0 and end_of_epoch)):
+        if eval_ds and eval_due(global_step, args.log.eval_steps, steps_per_epoch, total_steps):
             metrics.update(evaluate(engine, teacher, eval_ds, eval_cache, args, batch_fn, vocab))
             if is_rank0():
                 bar.write(f"step {global_step}: " + ", ".join(

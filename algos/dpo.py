@@ -52,7 +52,7 @@ from common.engine import (  # noqa: E402
     world_size_from_env,
 )
 from common.packing import collate, per_sample_sum, response_logps, sharded_logps, to_device  # noqa: E402
-from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
+from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 
 
 @dataclass
@@ -267,6 +267,7 @@ def main(args: Args):
         per_rank = batch_size // world
         local = step_indices[rank * per_rank : (rank + 1) * per_rank]
 
+        lr = engine.get_lr()[0]
         sums = {}
         for m in range(0, per_rank, micro):
             idx = local[m : m + micro]
@@ -299,12 +300,10 @@ def main(args: Args):
         global_step = step + 1
         totals = all_reduce_sum(list(sums.values()))
         metrics = {f"train/{key}": total / batch_size for key, total in zip(sums, totals)}
-        metrics.update({"train/lr": engine.get_lr()[0], "train/epoch": epoch, "train/grad_norm": grad_norm,
+        metrics.update({"train/lr": lr, "train/epoch": epoch, "train/grad_norm": grad_norm,
                         "perf/pairs_per_s": batch_size / (time.time() - t0)})
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{metrics['train/rewards/accuracy']:.2f}")
-        end_of_epoch = global_step % steps_per_epoch == 0
-        if eval_ds and ((args.log.eval_steps > 0 and global_step % args.log.eval_steps == 0)
-                        or (args.log.eval_steps <= 0 and end_of_epoch)):
+        if eval_ds and eval_due(global_step, args.log.eval_steps, steps_per_epoch, total_steps):
             metrics.update(evaluate(engine, ref, eval_ds, eval_ref_cache, args, batch_fn))
             if is_rank0():
                 bar.write(f"step {global_step}: " + ", ".join(

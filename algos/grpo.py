@@ -35,10 +35,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common.data import BadRow, format_prompt, load_one, load_tokenizer, validate_prompt_args  # noqa: E402
 from common.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, finish, parse_cli, script_ckpt_args, validate_common_args,
+    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
+    deepspeed_config, deepspeed_eval_config, device, finish, init_distributed, load_causal_lm, load_checkpoint,
+    optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args,
 )
+from common.packing import collate, to_device, token_logps, unpack  # noqa: E402
 from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
-from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
+from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 from common.vllm_engine import EngineArgs, SamplingArgs, default_max_num_seqs, resolve_max_model_len  # noqa: E402
 
 ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline")
@@ -74,7 +77,8 @@ class RolloutLogArgs(LogArgs):
     logging_steps: int = 1
     """Log training scalars every N rollout steps."""
     eval_steps: int = -1
-    """Evaluate on --eval_dataset every N rollout steps (-1: only before the first and after the last rollout step)."""
+    """Evaluate on --eval_dataset every N rollout steps (-1: after each pass over the prompts), before the first
+    and after the last rollout step."""
 
 
 @dataclass
@@ -345,8 +349,6 @@ def token_entropy(logits):
 def micro_batch_loss(model, batch, args, normaliser, scale=1.0):
     """The policy loss of one collated micro-batch, already divided by the step's normaliser (times
     `scale`, which undoes DeepSpeed's averaging); returns (loss, metric sums)."""
-    from common.packing import token_logps
-
     logps, outputs = token_logps(model, batch)
     mask = batch["loss_mask"]
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
@@ -381,8 +383,6 @@ def token_sample(s):
 
 def make_batch(samples, pad_id, max_tokens, flash, values=()):
     """Collate samples (packed), and lay each named per-response-token value out like the tokens."""
-    from common.packing import collate
-
     batch = collate([token_sample(s) for s in samples], pad_id, packing=True, max_tokens=max_tokens, one_row=flash)
     for key in values:
         laid = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
@@ -417,11 +417,6 @@ class PolicyTrainer:
 
     def setup(self, master_addr, master_port, num_training_steps):
         """Join the trainer group (bounded by --rendezvous_timeout) and load the models."""
-        from common.engine import (
-            create_eval_engine, create_train_engine, deepspeed_config, deepspeed_eval_config, init_distributed,
-            load_causal_lm, set_seed,
-        )
-
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0",
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         init_distributed(timeout_s=self.args.rendezvous_timeout)
@@ -454,9 +449,6 @@ class PolicyTrainer:
     @torch.no_grad()
     def logprobs(self, samples):
         """Per-response-token log-probs under the policy (before the update) and the reference."""
-        from common.engine import device
-        from common.packing import to_device, token_logps, unpack
-
         self.engine.eval()
         out = {"old_logps": [], "ref_logps": []}
         micro, max_tokens = self.args.micro_rollout_batch_size, self.max_tokens(samples)
@@ -479,14 +471,11 @@ class PolicyTrainer:
     def train(self, steps):
         """steps: this rank's samples of each optimizer step (with advantages, old/ref/vLLM
         log-probs). Returns the step-averaged metrics (rank 0)."""
-        from common.engine import all_reduce_sum, device, optimizer_step
-        from common.packing import to_device
-
         args, engine = self.args, self.engine
         micro = args.train.micro_train_batch_size
         gas = accumulation_steps(args.train.train_batch_size, micro, self.world)
         values = ["advantages", "old_logps", "vllm_logps"] + (["ref_logps"] if args.use_kl_loss else [])
-        totals, grad_norms = {}, []
+        totals, grad_norms, lrs = {}, [], []
         for samples in steps:
             max_tokens = self.max_tokens(samples)
             batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, max_tokens, self.flash, values), device())
@@ -495,6 +484,7 @@ class PolicyTrainer:
                                                 sum(not s.get("masked") for s in samples)])
             normaliser = step_normaliser(loss_mode(args), tokens, sequences, args.train.train_batch_size,
                                          args.generate_max_len)
+            lrs.append(engine.get_lr()[0])
             step_metrics = {}
             for batch in batches:
                 loss, metrics = micro_batch_loss(engine, batch, args, normaliser, scale=gas * self.world)
@@ -507,23 +497,17 @@ class PolicyTrainer:
                 totals[k] = totals.get(k, 0.0) + v / len(steps)
             grad_norms.append(grad_norm)
         totals["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        totals["lr"] = engine.get_lr()[0]
+        totals["lr"] = sum(lrs) / len(lrs)
         return totals
 
     def save_checkpoint(self, step, client_state):
-        from common.engine import save_checkpoint
-
         save_checkpoint(self.engine, self.args.ckpt.ckpt_path, step, client_state, self.args.ckpt.max_ckpt_num)
         return True
 
     def load_checkpoint(self):
-        from common.engine import load_checkpoint
-
         return load_checkpoint(self.engine, self.args.ckpt.ckpt_path)
 
     def save_model(self, path):
-        from common.engine import save_hf_model
-
         tokenizer = load_tokenizer(self.args.model.pretrain, self.args)
         save_hf_model(self.engine, tokenizer, path, merge_lora=self.args.ckpt.merge_lora, base_path=self.args.model.pretrain)
         return True
@@ -684,6 +668,7 @@ def main(args: Args):
     total_steps = args.num_episodes * len(prompts) // args.rollout_batch_size
     if args.max_steps > 0:
         total_steps = min(total_steps, args.max_steps)
+    steps_per_episode = max(len(prompts) // args.rollout_batch_size, 1)
     if total_steps < 1:
         raise ValueError(f"{len(prompts)} prompts x --num_episodes {args.num_episodes} is fewer than one "
                          f"--rollout_batch_size {args.rollout_batch_size}")
@@ -817,8 +802,7 @@ def main(args: Args):
             metrics["train/kl"] = (sum(approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]), "k1").sum().item()
                                        for s in samples) / sum(lengths))
         bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")
-        if eval_prompts and ((args.log.eval_steps > 0 and global_step % args.log.eval_steps == 0)
-                             or global_step == total_steps):
+        if eval_prompts and eval_due(global_step, args.log.eval_steps, steps_per_episode, total_steps):
             metrics.update(evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer))
             bar.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
                                                           if k.startswith(("eval/", "train/reward"))))

@@ -57,7 +57,7 @@ from common.engine import (  # noqa: E402
     world_size_from_env,
 )
 from common.packing import collate, response_logps, sharded_logps, to_device  # noqa: E402
-from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
+from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 
 
 @dataclass
@@ -355,6 +355,7 @@ def main(args: Args):
     for step in bar:
         t0 = time.time()
         epoch, k = divmod(step, steps_per_epoch)
+        lr = engine.get_lr()[0]
         sums = {}
         for idx in local_micro_batches(order_of(epoch), k, rank):
             examples, mismatched = [(i, i) for i in idx], kl_pairs(idx)
@@ -388,12 +389,10 @@ def main(args: Args):
         global_step = step + 1
         totals = dict(zip(sums, all_reduce_sum(list(sums.values()))))
         metrics = stats_to_metrics(totals, batch_size, "train")
-        metrics.update({"train/lr": engine.get_lr()[0], "train/epoch": epoch, "train/grad_norm": grad_norm,
+        metrics.update({"train/lr": lr, "train/epoch": epoch, "train/grad_norm": grad_norm,
                         "perf/examples_per_s": batch_size / (time.time() - t0)})
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", kl=f"{metrics['train/kl']:.3f}")
-        end_of_epoch = global_step % steps_per_epoch == 0
-        if eval_ds and ((args.log.eval_steps > 0 and global_step % args.log.eval_steps == 0)
-                        or (args.log.eval_steps <= 0 and end_of_epoch)):
+        if eval_ds and eval_due(global_step, args.log.eval_steps, steps_per_epoch, total_steps):
             metrics.update(evaluate(engine, ref, eval_ds, eval_ref_cache, args, batch_fn))
             if is_rank0():
                 bar.write(f"step {global_step}: " + ", ".join(

@@ -44,7 +44,7 @@ from common.engine import (  # noqa: E402
 )
 from common.packing import collate, to_device  # noqa: E402
 from common.reward import lockstep_forwards, sequence_rewards, unwrap  # noqa: E402
-from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
+from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 
 
 @dataclass
@@ -376,6 +376,7 @@ def main(args: Args):
         step_units = batch_size
         if args.prm:
             (step_units,) = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in micro_batches)])
+        lr = engine.get_lr()[0]
         totals = {}
         for batch in micro_batches:
             loss_sum, stats = forward_loss(engine, batch, args, reward_ids)
@@ -387,7 +388,7 @@ def main(args: Args):
 
         global_step = step + 1
         n = sums["units"]
-        metrics = {"train/loss": sums["loss"] / n, "train/lr": engine.get_lr()[0], "train/epoch": epoch,
+        metrics = {"train/loss": sums["loss"] / n, "train/lr": lr, "train/epoch": epoch,
                    "train/grad_norm": grad_norm, "perf/samples_per_s": batch_size / (time.time() - t0)}
         if args.prm:
             metrics["train/step_accuracy"] = sums["correct"] / n
@@ -395,9 +396,7 @@ def main(args: Args):
             metrics.update({"train/accuracy": sums["correct"] / n, "train/chosen_reward": sums["chosen"] / n,
                             "train/rejected_reward": sums["rejected"] / n})
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
-        end_of_epoch = global_step % steps_per_epoch == 0
-        if eval_ds and ((args.log.eval_steps > 0 and global_step % args.log.eval_steps == 0)
-                        or (args.log.eval_steps <= 0 and end_of_epoch)):
+        if eval_ds and eval_due(global_step, args.log.eval_steps, steps_per_epoch, total_steps):
             last_eval = (global_step, evaluate(engine, eval_ds, args, pad_id, flash, reward_ids))
             metrics.update(last_eval[1])
             if is_rank0():

@@ -28,7 +28,7 @@ from common.engine import (  # noqa: E402
     save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args, world_size_from_env,
 )
 from common.packing import collate, lockstep_shard, per_sample_sum, to_device, token_logps  # noqa: E402
-from common.tracking import LogArgs, MetricsLogger, progress  # noqa: E402
+from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 
 
 @dataclass
@@ -221,9 +221,7 @@ def main(args: Args):
         if args.model.aux_loss_coef > 0:
             metrics["train/aux_loss"] = step_aux
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
-        end_of_epoch = global_step % steps_per_epoch == 0
-        if eval_ds and ((args.log.eval_steps > 0 and global_step % args.log.eval_steps == 0)
-                        or (args.log.eval_steps <= 0 and end_of_epoch)):
+        if eval_ds and eval_due(global_step, args.log.eval_steps, steps_per_epoch, total_steps):
             metrics.update(evaluate(engine, eval_ds, args, pad_id, flash))
             if is_rank0():
                 bar.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith(("eval/", "train/loss"))))

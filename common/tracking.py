@@ -14,7 +14,7 @@ class LogArgs:
     logging_steps: int = 1
     """Log training scalars every N optimizer steps."""
     eval_steps: int = -1
-    """Evaluate every N optimizer steps (-1: at the end of each epoch)."""
+    """Evaluate every N optimizer steps (-1: at the end of each epoch), and after the last step."""
     use_tensorboard: Optional[str] = None
     """TensorBoard log directory (off when unset)."""
     use_wandb: bool = False
@@ -63,6 +63,13 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def eval_due(step, eval_steps, steps_per_epoch, total_steps):
+    """The evaluation schedule of every script: after step `step` (counted from 1), every --eval_steps steps
+    (-1: at the end of each epoch), and after the last step."""
+    every = eval_steps if eval_steps > 0 else steps_per_epoch
+    return step % every == 0 or step == total_steps
 
 
 def progress(iterable=None, rank0=True, **kwargs):

@@ -245,9 +245,11 @@ def test_bad_input(assets, tmp_path):
     assert proc.returncode != 0
     assert f"{bad}: 1 bad row(s) of 8; first: row 7: missing field 'rejected'" in proc.stderr
     assert "Loading weights" not in proc.stderr + proc.stdout
-    proc = run_script("dpo.py", [*cli, "--skip_bad_rows"])
+    proc = run_script("dpo.py", [*cli, "--skip_bad_rows", "--lr_scheduler", "linear", "--lr_warmup_ratio", 0])
     assert f"{bad}: skipped 1 bad row(s) of 8" in proc.stdout
-    assert [m["step"] for m in read_jsonl(tmp_path / "m.jsonl")] == [1]  # 7 good pairs: one step of 4
+    metrics = read_jsonl(tmp_path / "m.jsonl")
+    assert [m["step"] for m in metrics] == [1]  # 7 good pairs: one step of 4
+    assert metrics[0]["train/lr"] == 5e-7  # the rate the step used (read before it; linear decay to 0 after)
     assert os.path.exists(tmp_path / "out" / "model.safetensors")
 
 

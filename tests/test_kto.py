@@ -272,8 +272,10 @@ def test_bad_input_through_the_cli(assets, tmp_path):
     assert proc.returncode != 0
     assert f"{bad}: 1 bad row(s) of 7; first: row 6: field 'label' should be bool, got str" in proc.stderr
     assert "Loading weights" not in proc.stderr + proc.stdout
-    proc = run_script("kto.py", [*cli, "--skip_bad_rows"])
+    proc = run_script("kto.py", [*cli, "--skip_bad_rows", "--lr_scheduler", "linear", "--lr_warmup_ratio", 0])
     assert f"{bad}: skipped 1 bad row(s) of 7" in proc.stdout
     assert "6 training examples: 3 desirable, 3 undesirable" in proc.stdout
-    assert [m["step"] for m in read_jsonl(tmp_path / "m.jsonl")] == [1]
+    metrics = read_jsonl(tmp_path / "m.jsonl")
+    assert [m["step"] for m in metrics] == [1]
+    assert metrics[0]["train/lr"] == 5e-7  # the rate the step used (read before it; linear decay to 0 after)
     assert os.path.exists(tmp_path / "out" / "model.safetensors")

@@ -310,3 +310,11 @@ def test_a_copied_script_sees_its_own_tokenize_edit(assets, tmp_path):
     fork.write_text(edited)
     proc = run_script(str(fork), cli, expect_ok=False, env={"PYTHONPATH": ROOT})
     assert "row 0: the edited tokenize ran" in proc.stderr, proc.stderr
+
+
+def test_evaluation_schedule_is_one_rule():
+    from common.tracking import eval_due
+
+    due = lambda eval_steps: [s for s in range(1, 11) if eval_due(s, eval_steps, 4, 10)]  # noqa: E731
+    assert due(-1) == [4, 8, 10]  # each epoch's end (4 steps an epoch) and the last step
+    assert due(3) == [3, 6, 9, 10]
