@@ -71,7 +71,8 @@ from common.engine import (  # noqa: E402
 from common.packing import collate, lockstep_shard, to_device  # noqa: E402
 from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 from common.vllm_engine import (  # noqa: E402
-    EngineArgs, EngineError, SamplingArgs, create_vllm_engine, default_max_num_seqs, resolve_max_model_len, vllm_generate,
+    EngineArgs, EngineError, SamplingArgs, create_vllm_engine, default_max_num_seqs, resolve_max_model_len,
+    vllm_generate,
 )
 
 
@@ -91,7 +92,8 @@ class Args:
     log: LogArgs = field(default_factory=LogArgs)
     vllm: StudentEngineArgs = field(default_factory=StudentEngineArgs)
     teacher_model: str = tyro.MISSING
-    """Teacher: Hugging Face causal-LM directory (or hub name); its vocabulary equals the student's or extends it (required)."""
+    """Teacher: Hugging Face causal-LM directory (or hub name); its vocabulary equals the student's or extends it
+    (required)."""
     teacher_offload: bool = False
     """Keep the teacher's parameters on the CPU (ZeRO-3 inference)."""
     output_key: str = "output"
@@ -107,7 +109,8 @@ class Args:
     teacher_top_k: int = 0
     """Keep the teacher's K largest logits per token; both distributions renormalised over them (0: all)."""
     teacher_cache: str = ""
-    """Directory of precomputed teacher logits, keyed by teacher weights, tokenized data, K, dtype (off-policy only; '': live teacher)."""
+    """Directory of precomputed teacher logits, keyed by teacher weights, tokenized data, K, dtype (off-policy only;
+    '': live teacher)."""
     lmbda: float = 0.0
     """Probability per step that the student's own vLLM samples replace the dataset responses (on-policy GKD)."""
     generate_max_len: int = 64
@@ -566,7 +569,8 @@ def main(args: Args):
                             {"global_step": global_step, "consumed_samples": global_step * batch_size},
                             args.ckpt.max_ckpt_num)
 
-    save_hf_model(engine, tokenizer, args.ckpt.save_path, merge_lora=args.ckpt.merge_lora, base_path=args.model.pretrain)
+    save_hf_model(engine, tokenizer, args.ckpt.save_path, merge_lora=args.ckpt.merge_lora,
+                  base_path=args.model.pretrain)
     if is_rank0():
         print(f"saved {args.ckpt.save_path}")
     logger.close()

@@ -233,9 +233,11 @@ def main(args: Args):
     ref_cache = eval_ref_cache = None
     if args.ref_cache:
         t0 = time.time()
-        ref_cache = sharded_logps(ref, len(train_ds), lambda idx: pair_samples(train_ds, idx), micro, batch_fn, device())
+        ref_cache = sharded_logps(ref, len(train_ds), lambda idx: pair_samples(train_ds, idx), micro, batch_fn,
+                                  device())
         if eval_ds:
-            eval_ref_cache = sharded_logps(ref, len(eval_ds), lambda idx: pair_samples(eval_ds, idx), micro, batch_fn, device())
+            eval_ref_cache = sharded_logps(ref, len(eval_ds), lambda idx: pair_samples(eval_ds, idx), micro, batch_fn,
+                                           device())
         ref.destroy()
         ref = None
         gc.collect()
@@ -315,7 +317,8 @@ def main(args: Args):
                             {"global_step": global_step, "consumed_samples": global_step * batch_size},
                             args.ckpt.max_ckpt_num)
 
-    save_hf_model(engine, tokenizer, args.ckpt.save_path, merge_lora=args.ckpt.merge_lora, base_path=args.model.pretrain)
+    save_hf_model(engine, tokenizer, args.ckpt.save_path, merge_lora=args.ckpt.merge_lora,
+                  base_path=args.model.pretrain)
     if is_rank0():
         print(f"saved {args.ckpt.save_path}")
     logger.close()

@@ -194,7 +194,8 @@ def post_process(args, rows):
     if args.post_processor in ("best_of_n", "rs"):
         for row in rows:
             best = max(range(len(row["rewards"])), key=lambda k: row["rewards"][k])
-            if args.post_processor == "rs" and args.reward_threshold is not None and row["rewards"][best] < args.reward_threshold:
+            threshold = args.reward_threshold
+            if args.post_processor == "rs" and threshold is not None and row["rewards"][best] < threshold:
                 continue
             out.append({"prompt": row["prompt"], "response": row["responses"][best], "reward": row["rewards"][best],
                         "label": row["label"]})
@@ -211,7 +212,8 @@ def post_process(args, rows):
             worst = min(range(len(row["rewards"])), key=lambda k: row["rewards"][k])
             if row["rewards"][best] > row["rewards"][worst] and row["responses"][best] != row["responses"][worst]:
                 out.append({"prompt": row["prompt"], "chosen": row["responses"][best],
-                            "rejected": row["responses"][worst], "margin": row["rewards"][best] - row["rewards"][worst]})
+                            "rejected": row["responses"][worst],
+                            "margin": row["rewards"][best] - row["rewards"][worst]})
     return out
 
 
@@ -229,7 +231,8 @@ def main(args: Args):
     todo = [p for p in prompts if p["index"] not in done]
     print(f"{len(prompts)} prompts, {len(prompts) - len(todo)} already in {args.output_path}, {len(todo)} to generate")
 
-    reward_spec, reward_flag = (args.reward_func, "--reward_func") if args.reward_func else (args.remote_rm_url, "--remote_rm_url")
+    reward_spec, reward_flag = ((args.reward_func, "--reward_func") if args.reward_func
+                                else (args.remote_rm_url, "--remote_rm_url"))
     reward_fn = make_reward_fn(reward_spec, args.remote_rm_token, flag=reward_flag) if reward_spec else None
     reward_models, rm_tokenizer = [], None
     if args.reward_pretrain:
@@ -280,7 +283,8 @@ def main(args: Args):
     scored = [r for row in rows for r in row["rewards"] if r is not None]
     if scored:
         best = [max(row["rewards"]) for row in rows]
-        print(f"reward: mean {sum(scored) / len(scored):.4f}, best-of-{args.best_of_n} mean {sum(best) / len(best):.4f}")
+        print(
+            f"reward: mean {sum(scored) / len(scored):.4f}, best-of-{args.best_of_n} mean {sum(best) / len(best):.4f}")
 
 
 if __name__ == "__main__":

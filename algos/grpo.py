@@ -226,7 +226,8 @@ def parse_args(argv=None):
     if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
         from common.remote_reward import load_reward_func
 
-        load_reward_func(args.remote_rm_url, "--remote_rm_url")  # a missing file or function fails now, not after the models load
+        # a missing file or function fails now, not after the models load
+        load_reward_func(args.remote_rm_url, "--remote_rm_url")
     needed = args.prompt_max_len + args.generate_max_len
     if args.engine.max_model_len is not None and args.engine.max_model_len < needed:
         raise ValueError(f"--max_model_len {args.engine.max_model_len} must be >= --prompt_max_len "
@@ -322,7 +323,8 @@ def aggregate(per_token, mask, sample_index, num_samples, mode):
     token mean. Splitting a step into micro-batches or ranks does not change the total."""
     if mode == "sequence":
         keep = sample_index >= 0
-        sums = torch.zeros(num_samples, dtype=per_token.dtype).index_add(0, sample_index[keep], (per_token * mask)[keep])
+        sums = torch.zeros(num_samples,
+                           dtype=per_token.dtype).index_add(0, sample_index[keep], (per_token * mask)[keep])
         counts = torch.zeros(num_samples, dtype=per_token.dtype).index_add(0, sample_index[keep], mask[keep])
         return (sums / counts.clamp(min=1)).sum()
     return (per_token * mask).sum()
@@ -478,7 +480,8 @@ class PolicyTrainer:
         totals, grad_norms, lrs = {}, [], []
         for samples in steps:
             max_tokens = self.max_tokens(samples)
-            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, max_tokens, self.flash, values), device())
+            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, max_tokens, self.flash, values),
+                                 device())
                        for i in range(0, len(samples), micro)]
             tokens, sequences = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in batches),
                                                 sum(not s.get("masked") for s in samples)])
@@ -509,7 +512,8 @@ class PolicyTrainer:
 
     def save_model(self, path):
         tokenizer = load_tokenizer(self.args.model.pretrain, self.args)
-        save_hf_model(self.engine, tokenizer, path, merge_lora=self.args.ckpt.merge_lora, base_path=self.args.model.pretrain)
+        save_hf_model(self.engine, tokenizer, path, merge_lora=self.args.ckpt.merge_lora,
+                      base_path=self.args.model.pretrain)
         return True
 
 
@@ -553,7 +557,8 @@ def load_prompts(spec, split, args, tokenizer, max_samples):
                 raise ValueError(f"{spec}: row {i}: {e}") from None
             skipped += 1
             continue
-        prompts.append({"prompt_text": text, "prompt_ids": ids, "label": row[args.label_key] if args.label_key else None})
+        prompts.append({"prompt_text": text, "prompt_ids": ids,
+                        "label": row[args.label_key] if args.label_key else None})
     if not prompts:
         raise ValueError(f"{spec}: no usable prompts ({len(raw)} rows, {skipped} skipped)")
     if skipped:
@@ -588,7 +593,8 @@ def place_models(args, world, pad_id, roles):
 
     cpus = 0.5 if args.colocate_all_models else 1  # colocated roles split their bundle's CPU
     trainers = [roles.add(f"trainer rank {r}", actor_class(PolicyTrainer).options(
-                    num_cpus=cpus, num_gpus=share if gpu else 0, scheduling_strategy=in_bundle(r)).remote(args, r, world, pad_id))
+                    num_cpus=cpus, num_gpus=share if gpu else 0,
+                    scheduling_strategy=in_bundle(r)).remote(args, r, world, pad_id))
                 for r in range(world)]
     # an engine holds at once every sample of its share of a rollout (or of an evaluation round)
     per_engine = math.ceil(args.rollout_batch_size / args.vllm_num_engines)
@@ -642,7 +648,8 @@ def overlong_penalty(length, max_len, buffer, factor):
 def evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer):
     n = args.eval_n_samples_per_prompt
     sampling = SamplingArgs(n=n, temperature=args.eval_temperature, max_new_tokens=args.generate_max_len)
-    groups = generate(roles, engines, eval_prompts, sampling, [args.train.seed + 7919 * i for i in range(len(eval_prompts))])
+    groups = generate(roles, engines, eval_prompts, sampling,
+                      [args.train.seed + 7919 * i for i in range(len(eval_prompts))])
     rewards = compute_rewards(roles, reward_fn, reward_models, eval_prompts, groups, tokenizer)
     return {"eval/pass@1": rewards.mean().item(), f"eval/pass@{n}": rewards.max(1).values.mean().item(),
             "eval/response_length": sum(len(s.output_ids) for g in groups for s in g) / rewards.numel()}
@@ -701,7 +708,8 @@ def main(args: Args):
         logger.log(metrics, 0)
 
     sampling = SamplingArgs(n=n, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.generate_max_len)
-    bar = progress(range(state["global_step"], total_steps), desc="grpo", initial=state["global_step"], total=total_steps)
+    bar = progress(range(state["global_step"], total_steps), desc="grpo", initial=state["global_step"],
+                   total=total_steps)
     for step in bar:
         t_step, timing = time.time(), {}
         phases = progress(total=5, desc=f"step {step + 1}", leave=False, position=1)
@@ -719,7 +727,8 @@ def main(args: Args):
             state["consumed_prompts"] += need
             t0 = time.time()
             # a seed per prompt position: the same samples whatever the engine count or batching (resume is exact)
-            groups = generate(roles, engines, batch_prompts, sampling, [args.train.seed * 1_000_003 + i for i in positions])
+            groups = generate(roles, engines, batch_prompts, sampling,
+                              [args.train.seed * 1_000_003 + i for i in positions])
             phase("generate", t0)
             t0 = time.time()
             rewards = compute_rewards(roles, reward_fn, reward_models, batch_prompts, groups, tokenizer)
@@ -758,7 +767,8 @@ def main(args: Args):
         # 4. advantages (driver, over the whole rollout)
         rewards = torch.tensor([s["reward"] for s in samples]).clamp(*args.reward_clip_range).view(-1, n)
         kl_in_reward = args.init_kl_coef > 0 and not args.use_kl_loss
-        kls = [args.init_kl_coef * approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]), args.kl_estimator)
+        kls = [args.init_kl_coef * approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]),
+                                             args.kl_estimator)
                if kl_in_reward else torch.zeros(len(s["response_ids"])) for s in samples]
         for s, a in zip(samples, compute_advantages(rewards, kls, args.advantage_estimator, args.gamma)):
             s["advantages"] = a.tolist()
@@ -770,7 +780,8 @@ def main(args: Args):
         per_rank_steps = [[] for _ in range(world)]
         B = args.train.train_batch_size
         for epoch in range(args.train.max_epochs):
-            order = torch.randperm(per_step, generator=torch.Generator().manual_seed(args.train.seed + 1000 * step + epoch))
+            order = torch.randperm(per_step,
+                                   generator=torch.Generator().manual_seed(args.train.seed + 1000 * step + epoch))
             for k in range(per_step // B):
                 chosen = [samples[i] for i in order[k * B : (k + 1) * B].tolist()]
                 for r in range(world):
@@ -799,7 +810,8 @@ def main(args: Args):
                    "perf/samples_per_s": per_step / (time.time() - t_step), **timing,
                    **{f"train/{k}": v for k, v in train_metrics.items()}}
         if any("ref_logps" in s for s in samples):
-            metrics["train/kl"] = (sum(approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]), "k1").sum().item()
+            metrics["train/kl"] = (sum(approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]),
+                                                 "k1").sum().item()
                                        for s in samples) / sum(lengths))
         bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")
         if eval_prompts and eval_due(global_step, args.log.eval_steps, steps_per_episode, total_steps):

@@ -317,8 +317,8 @@ def main(args: Args):
             epoch_pairs.append([p for k in range(steps_per_epoch) for r in range(world)
                                 for idx in local_micro_batches(order, k, r) for p in kl_pairs(idx)])
         items = [(i, i) for i in range(n)] + [p for pairs in epoch_pairs for p in pairs]
-        values = sharded_logps(ref, len(items), lambda pos: kto_samples(train_ds, [items[p] for p in pos],
-                                                                        args.data.max_len), micro, batch_fn, device())[:, 0]
+        values = sharded_logps(ref, len(items), lambda pos: kto_samples(
+            train_ds, [items[p] for p in pos], args.data.max_len), micro, batch_fn, device())[:, 0]
         kl_cache, start = torch.zeros(len(epoch_pairs), n, dtype=values.dtype, device=values.device), n
         for epoch, pairs in enumerate(epoch_pairs):  # kl_cache[epoch, i]: prompt i with its partner's completion
             kl_cache[epoch, [i for i, _ in pairs]] = values[start : start + len(pairs)]
@@ -335,7 +335,8 @@ def main(args: Args):
             torch.cuda.empty_cache()
         if is_rank0():
             print(f"cached reference log-probs of {len(items)} training samples (examples and mismatched pairs) and "
-                  f"{2 * len(eval_ds) if eval_ds else 0} eval samples in {time.time() - t0:.1f}s; reference model freed")
+                  f"{2 * len(eval_ds) if eval_ds else 0} eval samples in {time.time() - t0:.1f}s; "
+                  "reference model freed")
 
     ds_config = deepspeed_config(args.train, world)
     model = load_causal_lm(args.model, ds_config)
@@ -363,7 +364,8 @@ def main(args: Args):
                 ref_logps, ref_kl_logps = ref_cache[0][idx], ref_cache[1][epoch, idx]
             else:
                 with torch.no_grad():
-                    both = to_device(batch_fn(kto_samples(train_ds, examples + mismatched, args.data.max_len)), device())
+                    both = to_device(batch_fn(kto_samples(train_ds, examples + mismatched, args.data.max_len)),
+                                     device())
                     ref_both, _ = response_logps(ref, both)
                 ref_logps, ref_kl_logps = ref_both[: len(idx)], ref_both[len(idx) :]
             with torch.no_grad():  # the reference point needs no gradient: a forward-only pass
@@ -404,7 +406,8 @@ def main(args: Args):
                             {"global_step": global_step, "consumed_samples": global_step * batch_size},
                             args.ckpt.max_ckpt_num)
 
-    save_hf_model(engine, tokenizer, args.ckpt.save_path, merge_lora=args.ckpt.merge_lora, base_path=args.model.pretrain)
+    save_hf_model(engine, tokenizer, args.ckpt.save_path, merge_lora=args.ckpt.merge_lora,
+                  base_path=args.model.pretrain)
     if is_rank0():
         print(f"saved {args.ckpt.save_path}")
     logger.close()

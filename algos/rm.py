@@ -50,7 +50,8 @@ from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: 
 @dataclass
 class RMDataArgs(DataArgs):
     input_key: str = "input"
-    """--prm only: field holding the solution with a step tag after each step (the response when --prompt_key is set)."""
+    """--prm only: field holding the solution with a step tag after each step (the response when --prompt_key is
+    set)."""
 
 
 @dataclass
@@ -61,7 +62,8 @@ class Args:
     ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
     log: LogArgs = field(default_factory=LogArgs)
     prompt_key: Optional[str] = None
-    """Field holding the prompt (string or chat messages); unset: the response fields hold whole texts or conversations."""
+    """Field holding the prompt (string or chat messages); unset: the response fields hold whole texts or
+    conversations."""
     chosen_key: str = "chosen"
     """Field holding the preferred response (pairwise)."""
     rejected_key: str = "rejected"
@@ -71,11 +73,13 @@ class Args:
     margin_key: str = "margin"
     """Field holding the margin (with --margin_loss)."""
     value_head_prefix: str = "score"
-    """Name of the value head in the Hugging Face sequence-classification class (`score` for Llama, Qwen2, Mistral, Gemma, ...); the saved weights use it."""
+    """Name of the value head in the Hugging Face sequence-classification class (`score` for Llama, Qwen2, Mistral,
+    Gemma, ...); the saved weights use it."""
     prm: bool = False
     """Train a process reward model: step labels read at --placeholder_token in --input_key."""
     label_key: str = "labels"
-    """--prm: field holding one label per step: a --reward_tokens string (hard) or the probability the step is right (soft)."""
+    """--prm: field holding one label per step: a --reward_tokens string (hard) or the probability the step is right
+    (soft)."""
     placeholder_token: str = "ки"
     """--prm: the step tag that ends each step (must be one token of the tokenizer)."""
     reward_tokens: tuple[str, str] = ("+", "-")
@@ -101,7 +105,8 @@ def parse_args(argv=None):
         if getattr(args, name) != defaults[name]:
             raise ValueError(f"--{name} is for {'pairwise reward models' if args.prm else '--prm'} only")
     if not args.prm and args.data.input_key != RMDataArgs.input_key:
-        raise ValueError("--input_key is for --prm only: pairwise data uses --prompt_key, --chosen_key and --rejected_key")
+        raise ValueError(
+            "--input_key is for --prm only: pairwise data uses --prompt_key, --chosen_key and --rejected_key")
     if not args.margin_loss and args.margin_key != defaults["margin_key"]:
         raise ValueError("--margin_key is read only with --margin_loss")
     if args.prm and len(set(args.reward_tokens)) != 2:
@@ -127,7 +132,8 @@ def check_value_head(args: Args):
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     with torch.device("meta"):
-        skeleton = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(args.model.pretrain, num_labels=1))
+        skeleton = AutoModelForSequenceClassification.from_config(
+            AutoConfig.from_pretrained(args.model.pretrain, num_labels=1))
     if not isinstance(getattr(skeleton, args.value_head_prefix, None), torch.nn.Linear):
         heads = [n for n, m in skeleton.named_children() if isinstance(m, torch.nn.Linear)]
         raise ValueError(f"--value_head_prefix {args.value_head_prefix!r}: {type(skeleton).__name__} has no such "
@@ -158,7 +164,8 @@ def sequence_ids(row, key, tokenizer, args: Args):
         return tokenize(tokenizer, tokenizer.apply_chat_template(value, tokenize=False))
     if data.apply_chat_template:
         raise BadRow(f"field {key!r} is a string: without --prompt_key, --apply_chat_template needs conversations")
-    return tokenize(tokenizer, value if args.prm or value.endswith(tokenizer.eos_token) else value + tokenizer.eos_token,
+    return tokenize(tokenizer,
+                    value if args.prm or value.endswith(tokenizer.eos_token) else value + tokenizer.eos_token,
                     add_special_tokens=True)
 
 
@@ -201,7 +208,8 @@ def step_row(row, tokenizer, args: Args, tag_id, reward_tokens):
         elif isinstance(label, (int, float)) and 0 <= label <= 1:
             step_labels[i] = float(label)
         else:
-            raise BadRow(f"field {args.label_key!r}: label {label!r} is neither a reward token nor a probability in [0, 1]")
+            raise BadRow(
+                f"field {args.label_key!r}: label {label!r} is neither a reward token nor a probability in [0, 1]")
     if len(ids) > args.data.max_len:
         raise BadRow(f"{len(ids)} tokens, more than --max_len {args.data.max_len}")
     return {"input_ids": ids, "step_labels": step_labels}
@@ -282,7 +290,8 @@ def evaluate(engine, eval_ds, args, pad_id, flash, reward_ids):
     engine.eval()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     chunks = micro_batches_of(eval_ds, range(rank, len(eval_ds), world), args.train.micro_train_batch_size, args)
-    names = ("units", "loss", "correct") if args.prm else ("units", "loss", "correct", "chosen", "rejected", "reward_sum", "reward_sq")
+    names = ("units", "loss", "correct") if args.prm else ("units", "loss", "correct", "chosen", "rejected",
+                                                           "reward_sum", "reward_sq")
     totals = dict.fromkeys(names, 0.0)
     for i in progress(range(lockstep_forwards(engine, len(chunks))), is_rank0(), desc="eval", leave=False):
         # under ZeRO-3 a rank with fewer batches runs extra forwards (on row 0) in step with the busiest rank
@@ -314,7 +323,8 @@ def main(args: Args):
     if args.prm:
         tag_id = single_token(tokenizer, args.placeholder_token, "--placeholder_token")
         reward_ids = [single_token(tokenizer, t, "--reward_tokens") for t in args.reward_tokens]
-        row_fn, columns = (lambda r: step_row(r, tokenizer, args, tag_id, args.reward_tokens)), ("input_ids", "step_labels")
+        row_fn = lambda r: step_row(r, tokenizer, args, tag_id, args.reward_tokens)  # noqa: E731
+        columns = ("input_ids", "step_labels")
     else:
         check_value_head(args)
         reward_ids = None
@@ -400,7 +410,8 @@ def main(args: Args):
             last_eval = (global_step, evaluate(engine, eval_ds, args, pad_id, flash, reward_ids))
             metrics.update(last_eval[1])
             if is_rank0():
-                bar.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith(("eval/", "train/loss"))))
+                bar.write(f"step {global_step}: " + ", ".join(
+                    f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/") or k == "train/loss"))
         if global_step % args.log.logging_steps == 0 or "eval/loss" in metrics:
             logger.log(metrics, global_step)
         if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
@@ -412,11 +423,14 @@ def main(args: Args):
         last_eval = (total_steps, evaluate(engine, eval_ds, args, pad_id, flash, reward_ids))
         logger.log(last_eval[1], total_steps)
     if not args.prm and last_eval is not None:  # read by RL for reward normalisation (OpenRLHF's keys)
-        unwrap(engine).config.mean, unwrap(engine).config.std = last_eval[1]["eval/reward_mean"], last_eval[1]["eval/reward_std"]
-    save_hf_model(engine, tokenizer, args.ckpt.save_path, merge_lora=args.ckpt.merge_lora, base_path=args.model.pretrain)
+        config = unwrap(engine).config
+        config.mean, config.std = last_eval[1]["eval/reward_mean"], last_eval[1]["eval/reward_std"]
+    save_hf_model(engine, tokenizer, args.ckpt.save_path, merge_lora=args.ckpt.merge_lora,
+                  base_path=args.model.pretrain)
     if is_rank0():
-        print(f"saved {args.ckpt.save_path}" + (f" (reward mean {unwrap(engine).config.mean:.4f}, std "
-                                                f"{unwrap(engine).config.std:.4f})" if not args.prm and last_eval else ""))
+        config = unwrap(engine).config
+        print(f"saved {args.ckpt.save_path}" + (f" (reward mean {config.mean:.4f}, std {config.std:.4f})"
+                                                if not args.prm and last_eval else ""))
     logger.close()
     torch.distributed.destroy_process_group()
 

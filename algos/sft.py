@@ -92,7 +92,8 @@ def sft_row(row, tokenizer, args: Args):
             if not str(message.get("content") or "").strip():
                 raise BadRow(f"field {data.input_key!r}: message {i} ({message.get('role')}) is empty")
             next_is_assistant = i + 1 < len(messages) and messages[i + 1].get("role") == "assistant"
-            upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False, add_generation_prompt=next_is_assistant)
+            upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False,
+                                                 add_generation_prompt=next_is_assistant)
             if not upto.startswith(before):
                 raise BadRow(f"field {data.input_key!r}: the chat template does not render turn {i} as a suffix")
             piece = tokenize(tokenizer, upto[len(before):])
@@ -196,7 +197,8 @@ def main(args: Args):
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
         per_rank = batch_size // world
         local = step_indices[rank * per_rank : (rank + 1) * per_rank]
-        micro_batches = [to_device(make_batch(s, args, pad_id, flash), device()) for s in batches_of(train_ds, local, micro)]
+        micro_batches = [to_device(make_batch(s, args, pad_id, flash), device())
+                         for s in batches_of(train_ds, local, micro)]
 
         # normaliser: loss tokens of the whole optimizer step, over every micro-batch and rank
         (step_tokens,) = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in micro_batches)])
@@ -224,7 +226,8 @@ def main(args: Args):
         if eval_ds and eval_due(global_step, args.log.eval_steps, steps_per_epoch, total_steps):
             metrics.update(evaluate(engine, eval_ds, args, pad_id, flash))
             if is_rank0():
-                bar.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith(("eval/", "train/loss"))))
+                bar.write(f"step {global_step}: " + ", ".join(
+                    f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/") or k == "train/loss"))
         if global_step % args.log.logging_steps == 0 or "eval/loss" in metrics:
             logger.log(metrics, global_step)
         if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
@@ -232,7 +235,8 @@ def main(args: Args):
                             {"global_step": global_step, "consumed_samples": global_step * batch_size},
                             args.ckpt.max_ckpt_num)
 
-    save_hf_model(engine, tokenizer, args.ckpt.save_path, merge_lora=args.ckpt.merge_lora, base_path=args.model.pretrain)
+    save_hf_model(engine, tokenizer, args.ckpt.save_path, merge_lora=args.ckpt.merge_lora,
+                  base_path=args.model.pretrain)
     if is_rank0():
         print(f"saved {args.ckpt.save_path}")
     logger.close()

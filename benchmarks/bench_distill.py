@@ -120,7 +120,8 @@ def main(args: Args):
         for mode, student in students.items():
             sync()
             t0 = time.perf_counter()
-            t_values, t_ids = cache[i] if mode == "cached" else distill.teacher_targets(teacher, batch, args.teacher_top_k, vocab)[:2]
+            t_values, t_ids = (cache[i] if mode == "cached"
+                               else distill.teacher_targets(teacher, batch, args.teacher_top_k, vocab)[:2])
             logits, targets, _ = distill.response_logits(student, batch)
             kd, ce = distill.token_losses(logits, targets, t_values, t_ids, replace(dargs, kd_coef=0.5), vocab)
             loss = (0.5 * kd.sum() + 0.5 * ce.sum()) / len(targets)

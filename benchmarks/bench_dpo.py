@@ -85,7 +85,8 @@ def synth_rows(n, vocab_size, pad_id, max_len, seed, paired):
             rows.append({"prompt_ids": prompt, "chosen_ids": tokens(96, max_len - len(prompt)),
                          "rejected_ids": tokens(96, max_len - len(prompt))})
         else:
-            rows.append({"prompt_ids": prompt, "completion_ids": tokens(96, max_len - len(prompt)), "label": i % 2 == 0})
+            rows.append({"prompt_ids": prompt, "completion_ids": tokens(96, max_len - len(prompt)),
+                         "label": i % 2 == 0})
     return rows
 
 
@@ -131,7 +132,8 @@ def main(args: Args):
     attn = "flash_attention_2" if flash else "sdpa"
 
     n = (args.warmup_steps + args.steps) * args.micro_batch
-    ds = datasets.Dataset.from_list(synth_rows(n, config.vocab_size, pad_id, args.max_len, args.seed, args.algo == "dpo"))
+    ds = datasets.Dataset.from_list(synth_rows(n, config.vocab_size, pad_id, args.max_len, args.seed,
+                                               args.algo == "dpo"))
     micro_batches = [list(range(k, k + args.micro_batch)) for k in range(0, n, args.micro_batch)]
     if args.algo == "dpo":
         run_args = algo.Args(data=algo.PrefDataArgs(max_len=args.max_len), beta=args.beta)
@@ -245,14 +247,16 @@ def main(args: Args):
           f"{str(dtype)[6:]}, {attn}, torch threads {torch.get_num_threads()} | micro-batch {args.micro_batch} {unit}, "
           f"{args.steps} timed step(s) after {args.warmup_steps} warmup | prompt tokens median "
           f"{lengths[len(lengths) // 2]}, max_len {args.max_len}\n")
-    print(f"{'variant':<14} {'train s/step':>13} {'ref cache s/step':>17} {unit + '/s':>12} {'speedup':>8} {'loss step 2':>12}")
+    print(f"{'variant':<14} {'train s/step':>13} {'ref cache s/step':>17} {unit + '/s':>12} {'speedup':>8} "
+          f"{'loss step 2':>12}")
     base = None
     for v in variants:
         cache_per_step = cache_s / args.steps if v == "packed cached" else 0.0
         rate = timed_items / (seconds[v] + cache_per_step * args.steps)
         base = base or rate
         loss2 = f"{losses[v][1]:.6f}" if len(losses[v]) > 1 else "-"
-        print(f"{v:<14} {seconds[v] / args.steps:>13.3f} {cache_per_step:>17.3f} {rate:>12.2f} {rate / base:>7.2f}x {loss2:>12}")
+        print(f"{v:<14} {seconds[v] / args.steps:>13.3f} {cache_per_step:>17.3f} {rate:>12.2f} {rate / base:>7.2f}x "
+              f"{loss2:>12}")
 
 
 if __name__ == "__main__":

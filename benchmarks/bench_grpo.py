@@ -53,7 +53,8 @@ def main(args: Args):
     for model in args.models:
         with tempfile.TemporaryDirectory() as tmp:
             metrics_file = os.path.join(tmp, "metrics.jsonl")
-            cmd = [sys.executable, os.path.join(ROOT, "algos", "grpo.py"), "--pretrain", os.path.join(args.assets, model),
+            cmd = [sys.executable, os.path.join(ROOT, "algos", "grpo.py"), "--pretrain",
+                   os.path.join(args.assets, model),
                    "--prompt_data", os.path.join(args.assets, "data", "reverse", "rl_train.jsonl"),
                    "--input_key", "prompt", "--label_key", "answer", "--apply_chat_template",
                    "--remote_rm_url", os.path.join(ROOT, "launch", "rewards", "exact_match.py"),
@@ -71,7 +72,8 @@ def main(args: Args):
                 steps = [m for m in map(json.loads, f) if "train/reward" in m][1:]
         mean = {p: sum(m[f"time/{p}"] for m in steps) / len(steps) for p in PHASES}
         step_s = sum(samples / m["perf/samples_per_s"] for m in steps) / len(steps)
-        print(f"{model:<12}" + "".join(f"{mean[p]:>11.3f}" for p in PHASES) + f"{step_s:>9.2f}{samples / step_s:>11.1f}")
+        print(
+            f"{model:<12}" + "".join(f"{mean[p]:>11.3f}" for p in PHASES) + f"{step_s:>9.2f}{samples / step_s:>11.1f}")
 
 
 if __name__ == "__main__":

@@ -115,7 +115,8 @@ def main(args: Args):
     layouts = {"padded": (False, attn), "packed": (True, attn)}  # name: (packing, attention implementation)
     if dev.type == "cpu":
         layouts["varlen"] = (True, VARLEN)
-    models = {name: AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation=impl).to(dev).train()
+    models = {name: AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype,
+                                                         attn_implementation=impl).to(dev).train()
               for name, (_, impl) in layouts.items()}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-5) for name, m in models.items()}
     stats = {name: [] for name in layouts}
@@ -134,7 +135,8 @@ def main(args: Args):
           f"torch threads {torch.get_num_threads()}, micro_batch {args.micro_batch}, "
           f"{args.steps} timed step(s) after {args.warmup_steps} warmup\n")
 
-    print(f"{'layout':<8} {'rows x width (mean)':>20} {'pad fraction':>13} {'tokens/s':>10} {'step s':>8} {'loss step 1':>12}")
+    print(f"{'layout':<8} {'rows x width (mean)':>20} {'pad fraction':>13} {'tokens/s':>10} {'step s':>8} "
+          f"{'loss step 1':>12}")
     throughput = {}
     for name in layouts:
         st = stats[name]

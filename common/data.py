@@ -19,7 +19,8 @@ FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "
 @dataclass
 class DataArgs:
     dataset: str = tyro.MISSING
-    """Comma list of datasets: local json/jsonl/csv/parquet/arrow files or folders, save_to_disk folders, `type@dir`, or hub names."""
+    """Comma list of datasets: local json/jsonl/csv/parquet/arrow files or folders, save_to_disk folders, `type@dir`,
+    or hub names."""
     dataset_probs: Optional[str] = None
     """Comma list of mixing probabilities, one per dataset (default: concatenate)."""
     dataset_split: str = "train"
@@ -91,7 +92,7 @@ def load_one(spec, split):
                 raise ValueError(f"unsupported file type {ext!r} (use one of {sorted(FILE_BUILDERS)})")
             return datasets.load_dataset(FILE_BUILDERS[ext], data_files=spec, split=split)
         if os.path.isdir(spec):
-            if os.path.exists(os.path.join(spec, "dataset_dict.json")) or os.path.exists(os.path.join(spec, "state.json")):
+            if any(os.path.exists(os.path.join(spec, name)) for name in ("dataset_dict.json", "state.json")):
                 ds = datasets.load_from_disk(spec)
                 return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
             return datasets.load_dataset(spec, split=split)

@@ -208,7 +208,8 @@ def die_with_launcher():
         return
     PR_SET_PDEATHSIG = 1
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        warnings.warn(f"prctl(PR_SET_PDEATHSIG): {os.strerror(ctypes.get_errno())}; this worker would outlive its launcher")
+        warnings.warn(
+            f"prctl(PR_SET_PDEATHSIG): {os.strerror(ctypes.get_errno())}; this worker would outlive its launcher")
     elif os.getppid() != _PARENT_AT_IMPORT:  # the launcher died before prctl: we were handed to a reaper
         print(f"rank {os.environ.get('RANK')}: the torchrun launcher (pid {_PARENT_AT_IMPORT}) has died; exiting",
               file=sys.stderr)
@@ -277,7 +278,8 @@ def deepspeed_config(train: TrainArgs, world_size):
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     return {
         "train_micro_batch_size_per_gpu": train.micro_train_batch_size,
-        "gradient_accumulation_steps": accumulation_steps(train.train_batch_size, train.micro_train_batch_size, world_size),
+        "gradient_accumulation_steps": accumulation_steps(train.train_batch_size, train.micro_train_batch_size,
+                                                          world_size),
         "train_batch_size": train.train_batch_size,
         "gradient_clipping": train.max_norm,
         "zero_optimization": zero,

@@ -136,7 +136,8 @@ def make_reward_fn(spec, token=None, timeout=60.0, retries=3, backoff=1.0, flag=
                 try:
                     rewards = json.loads(raw)["rewards"]
                 except (ValueError, KeyError, TypeError) as e:
-                    raise ValueError(f"reward server {spec}: reply is not JSON with a 'rewards' list: {raw[:200]!r}") from e
+                    raise ValueError(
+                        f"reward server {spec}: reply is not JSON with a 'rewards' list: {raw[:200]!r}") from e
                 return check_rewards(rewards, len(queries), f"reward server {spec}")
         raise RuntimeError(f"reward server {spec}: {retries + 1} attempts failed (timeout {timeout} s); "
                            f"last error: {last_error}")

@@ -62,7 +62,8 @@ def lockstep_forwards(model, num_local):
     """How many forward passes this rank must make to run `num_local` batches: under ZeRO-3 every
     forward gathers the weights collectively, so each rank makes as many as the busiest rank (the
     extra ones on a dummy batch); otherwise just `num_local`."""
-    if not (dist.is_initialized() and hasattr(model, "zero_optimization_stage") and model.zero_optimization_stage() == 3):
+    zero3 = hasattr(model, "zero_optimization_stage") and model.zero_optimization_stage() == 3
+    if not (dist.is_initialized() and zero3):
         return num_local
     count = torch.tensor([num_local], device=next(unwrap(model).parameters()).device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)

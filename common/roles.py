@@ -77,7 +77,8 @@ class Roles:
         deadline = time.time() + timeout_s
         pending = list(pings.values())
         while pending:
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=min(self.poll_s, max(deadline - time.time(), 0)))
+            done, pending = ray.wait(pending, num_returns=len(pending),
+                                     timeout=min(self.poll_s, max(deadline - time.time(), 0)))
             for ref in done:
                 try:
                     ray.get(ref)

@@ -126,7 +126,8 @@ def write_task_data(out_dir, task, n_train=2000, n_test=200, seed=0):
         write_jsonl(f"{d}/pref_{split}.jsonl", [{"prompt": p, "chosen": a, "rejected": w} for p, a, w in rows])
         write_jsonl(
             f"{d}/unpaired_{split}.jsonl",
-            [{"prompt": p, "completion": a if i % 2 == 0 else w, "label": i % 2 == 0} for i, (p, a, w) in enumerate(rows)],
+            [{"prompt": p, "completion": a if i % 2 == 0 else w,
+              "label": i % 2 == 0} for i, (p, a, w) in enumerate(rows)],
         )
         write_jsonl(f"{d}/rl_{split}.jsonl", [{"prompt": p, "answer": a} for p, a, _ in rows])
         write_jsonl(f"{d}/pretrain_{split}.jsonl", [{"text": f"{p} = {a}"} for p, a, _ in rows])
@@ -212,7 +213,8 @@ def exact_match(model, tokenizer, rows, max_new_tokens=16, batch_size=64):
     for i in range(0, len(rows), batch_size):
         chunk = rows[i : i + batch_size]
         texts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False, add_generation_prompt=True)
+            tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                          add_generation_prompt=True)
             for r in chunk
         ]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -231,7 +233,8 @@ def report(model_path, data_file, n=200, show=3):
     model, tokenizer = AutoModelForCausalLM.from_pretrained(model_path), AutoTokenizer.from_pretrained(model_path)
     print(f"{model_path}: exact match {exact_match(model, tokenizer, rows):.3f} on {len(rows)} held-out prompts")
     for row in rows[:show]:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
+                                             add_generation_prompt=True)
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
         out = model.generate(**ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         answer = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
@@ -243,7 +246,8 @@ if __name__ == "__main__":
                                                  "or report a model's exact-match accuracy on a task.")
     parser.add_argument("--out", default="assets", help="output folder")
     parser.add_argument("--models", default=",".join(MODEL_SIZES), help=f"comma list of {list(MODEL_SIZES)}")
-    parser.add_argument("--report", nargs=2, metavar=("MODEL", "SFT_JSONL"), help="print exact match instead of building")
+    parser.add_argument("--report", nargs=2, metavar=("MODEL", "SFT_JSONL"),
+                        help="print exact match instead of building")
     args = parser.parse_args()
     if args.report:
         report(*args.report)

@@ -311,9 +311,11 @@ class HFGenerator:
                 torch.manual_seed(sampling.seed)
             greedy = sampling.temperature == 0
             out = model.generate(
-                input_ids=torch.tensor([list(prompt)] * sampling.n, device=device), max_new_tokens=sampling.max_new_tokens,
+                input_ids=torch.tensor([list(prompt)] * sampling.n, device=device),
+                max_new_tokens=sampling.max_new_tokens,
                 do_sample=not greedy, temperature=None if greedy else sampling.temperature,
-                top_p=None if greedy else sampling.top_p, top_k=None if greedy or sampling.top_k < 0 else sampling.top_k,
+                top_p=None if greedy else sampling.top_p,
+                top_k=None if greedy or sampling.top_k < 0 else sampling.top_k,
                 eos_token_id=None if sampling.ignore_eos else tok.eos_token_id, pad_token_id=tok.pad_token_id,
                 return_dict_in_generate=True, output_logits=True, use_cache=True,
             )

@@ -79,7 +79,8 @@ class HFWeightSource(WeightSource):
             adapters = []
             if hasattr(layer, "lora_A") and hasattr(layer, "base_layer"):  # a peft LoRA layer
                 done.add(f"{name}.base_layer")
-                adapters = [(layer.lora_A[a].weight, layer.lora_B[a].weight, layer.scaling[a]) for a in layer.active_adapters]
+                adapters = [(layer.lora_A[a].weight, layer.lora_B[a].weight,
+                             layer.scaling[a]) for a in layer.active_adapters]
                 layer = layer.base_layer
             params = dict(layer.named_parameters(recurse=False))
             if params:
@@ -303,7 +304,8 @@ class EngineClient:
 
     def init_weight_transfer_engine(self, init_info):
         if "rank_offset" in init_info:
-            infos = [dict(init_info, rank_offset=init_info["rank_offset"] + i * self.tp_size) for i in range(len(self.engines))]
+            infos = [dict(init_info,
+                          rank_offset=init_info["rank_offset"] + i * self.tp_size) for i in range(len(self.engines))]
         else:
             infos = [init_info] * len(self.engines)
         self._each("init_weight_transfer_engine", [({"init_info": i},) for i in infos])
@@ -343,7 +345,8 @@ class WeightSync:
         else:
             info = IPCTrainerInitInfo(rank=rank, packed=True)  # bounded memory: chunks through one buffer
         self.source = HFWeightSource()
-        self.transfer = WeightTransferTrainerFactory.trainer_init(info, client=EngineClient(engines, tp_size), source=self.source)
+        self.transfer = WeightTransferTrainerFactory.trainer_init(
+            info, client=EngineClient(engines, tp_size), source=self.source)
 
     def sync(self, model):
         """Send every weight of `model` (a DeepSpeed engine or a module), reload it in every engine,

@@ -59,13 +59,15 @@ def load_algo(name):
 
 def run_script(script, args, nproc=1, timeout=600, expect_ok=True, env=None):
     """Run algos/<script> through its real CLI (torchrun for nproc > 1); returns the completed process."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline", **(env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline",
+           **(env or {})}
     path = os.path.join(ROOT, "algos", script)
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), path]
     else:
         cmd = [sys.executable, path]
-    proc = subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

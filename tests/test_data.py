@@ -286,7 +286,8 @@ def test_input_template_with_chat_template_is_refused_in_every_script():
         validate_data_args(DataArgs(dataset="a.jsonl", input_template="Q: {}", apply_chat_template=True))
     flags = ["--input_template", "Q: {}", "--apply_chat_template"]
     with pytest.raises(ValueError, match=message):  # generate.py has its own prompt flags
-        load_algo("generate").parse_args(["--pretrain", "m", "--dataset", "d.jsonl", "--output_path", "o.jsonl", *flags])
+        load_algo("generate").parse_args(["--pretrain", "m", "--dataset", "d.jsonl", "--output_path", "o.jsonl",
+                                          *flags])
     with pytest.raises(ValueError, match=message):
         load_algo("sft").parse_args(["--pretrain", "m", "--dataset", "d.jsonl", *flags])
 

@@ -212,7 +212,8 @@ def test_distillation_learns(assets, teacher, tmp_path):
         first[name], last[name] = evals[0], evals[-1]
         accuracy[name] = exact_match(AutoModelForCausalLM.from_pretrained(tmp_path / name), tokenizer, test_rows)
     accuracy["teacher"] = exact_match(AutoModelForCausalLM.from_pretrained(teacher), tokenizer, test_rows)
-    report = {name: {k: round(m[k], 4) for k in ("eval/kd", "eval/nll", "eval/token_accuracy")} for name, m in last.items()}
+    report = {name: {k: round(m[k], 4) for k in ("eval/kd", "eval/nll",
+                                                 "eval/token_accuracy")} for name, m in last.items()}
     print(f"held-out KL(teacher‖student) at step 0: {first['kd']['eval/kd']:.4f}; after 60 steps: {report}; "
           f"exact match: {accuracy}")
     assert accuracy["teacher"] >= 0.7, accuracy
@@ -231,7 +232,8 @@ def test_on_policy_with_vllm(assets, teacher, tmp_path):
     data = f"{assets}/data/reverse"
     run_script("distill.py", [
         "--pretrain", f"{assets}/llama-0.5m", "--teacher_model", teacher, "--dataset", f"{data}/sft_train.jsonl",
-        "--eval_dataset", f"{data}/sft_test.jsonl", *TASK, "--eval_steps", ON_POLICY_STEPS, "--max_samples", 16 * ON_POLICY_STEPS,
+        "--eval_dataset", f"{data}/sft_test.jsonl", *TASK, "--eval_steps", ON_POLICY_STEPS, "--max_samples",
+        16 * ON_POLICY_STEPS,
         "--train_batch_size", 16, "--micro_train_batch_size", 8, "--learning_rate", 3e-3, "--kd_coef", 1.0,
         "--lmbda", 1.0, "--generate_max_len", 16, "--max_model_len", 128,
         "--save_path", tmp_path / "out", "--metrics_file", tmp_path / "m.jsonl",

@@ -43,7 +43,8 @@ def test_losses_by_hand():
     losses, _, _ = dpo.dpo_loss(chosen, rejected, ref, ref, 0.5, ipo=True)  # (h - 1/(2β))² = (±2 - 1)²
     assert torch.allclose(losses, torch.tensor([1.0, 9.0]))
     # NLL term: per chosen response, minus its log-prob sum over its token count
-    assert torch.allclose(dpo.chosen_nll(torch.tensor([-6.0, -2.0]), torch.tensor([3.0, 4.0])), torch.tensor([2.0, 0.5]))
+    assert torch.allclose(dpo.chosen_nll(torch.tensor([-6.0, -2.0]), torch.tensor([3.0, 4.0])),
+                          torch.tensor([2.0, 0.5]))
 
 
 def test_cached_reference_equals_live(assets, sft_model):
@@ -85,7 +86,8 @@ def test_one_step_equal_across_zero_packing_reference_modes(assets, sft_model, t
     results = {}
     for name, (nproc, micro, zero, extra) in runs.items():
         run_script("dpo.py", [*common, "--micro_train_batch_size", micro, "--zero_stage", zero, *extra,
-                              "--save_path", tmp_path / name, "--metrics_file", tmp_path / f"{name}.jsonl"], nproc=nproc)
+                              "--save_path", tmp_path / name, "--metrics_file", tmp_path / f"{name}.jsonl"],
+                              nproc=nproc)
         (results[name],) = read_jsonl(tmp_path / f"{name}.jsonl")
 
     # the plain implementation: padded rows, chosen and rejected in two forwards, reference = the same weights
@@ -100,7 +102,8 @@ def test_one_step_equal_across_zero_packing_reference_modes(assets, sft_model, t
     pairs = [dpo.pref_row(r, tokenizer, args) for r in rows(data)[:8]]
     sums, tokens = [], None
     for key in ("chosen_ids", "rejected_ids"):
-        batch = collate([{"input_ids": p["prompt_ids"] + p[key], "loss_mask": [0] * len(p["prompt_ids"]) + [1] * len(p[key])}
+        batch = collate([{"input_ids": p["prompt_ids"] + p[key],
+                          "loss_mask": [0] * len(p["prompt_ids"]) + [1] * len(p[key])}
                          for p in pairs], tokenizer.pad_token_id, packing=False)
         logps, _ = token_logps(model, batch)
         sums.append((logps * batch["loss_mask"]).sum(-1))
@@ -140,7 +143,8 @@ def test_dpo_learns_and_exports(assets, sft_model, tmp_path, mode):
 
     data = f"{assets}/data/reverse"
     out, metrics_file = tmp_path / "model", tmp_path / "metrics.jsonl"
-    flags = [] if mode == "dpo_zero2_cached" else ["--nll_loss_coef", 1.0, "--zero_stage", 3, "--no_ref_cache", "--ref_offload"]
+    flags = [] if mode == "dpo_zero2_cached" else ["--nll_loss_coef", 1.0, "--zero_stage", 3, "--no_ref_cache",
+                                                   "--ref_offload"]
     run_script("dpo.py", [
         "--pretrain", sft_model, "--dataset", f"{data}/pref_train.jsonl", "--eval_dataset", f"{data}/pref_test.jsonl",
         *TASK, "--max_samples", 1024, "--train_batch_size", 32, "--micro_train_batch_size", 8, "--learning_rate", 3e-4,
@@ -182,7 +186,8 @@ def test_resume_reproduces_uninterrupted_run(assets, sft_model, tmp_path):
     start) gives the same losses for steps 3-4 and the same final weights, to 1e-6."""
     import shutil
 
-    common = ["--pretrain", sft_model, "--dataset", f"{assets}/data/reverse/pref_train.jsonl", *TASK, "--max_samples", 64,
+    common = ["--pretrain", sft_model, "--dataset", f"{assets}/data/reverse/pref_train.jsonl", *TASK, "--max_samples",
+              64,
               "--train_batch_size", 16, "--micro_train_batch_size", 4, "--learning_rate", 3e-4, "--save_steps", 2]
     full = tmp_path / "full_ckpt"
     run_script("dpo.py", [*common, "--ckpt_path", full, "--save_path", tmp_path / "full", "--metrics_file",
@@ -191,7 +196,8 @@ def test_resume_reproduces_uninterrupted_run(assets, sft_model, tmp_path):
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "global_step4")
     (resumed / "latest").write_text("global_step2")
-    proc = run_script("dpo.py", [*common, "--ckpt_path", resumed, "--load_checkpoint", "--save_path", tmp_path / "resumed",
+    proc = run_script("dpo.py", [*common, "--ckpt_path", resumed, "--load_checkpoint", "--save_path",
+                                 tmp_path / "resumed",
                                  "--metrics_file", tmp_path / "resumed.jsonl"], nproc=2)
     assert "resumed from" in proc.stdout
     full_losses = {m["step"]: m["train/loss"] for m in read_jsonl(tmp_path / "full.jsonl")}
@@ -220,9 +226,12 @@ def test_bad_input(assets, tmp_path):
         with pytest.raises(dpo.BadRow, match=message):
             dpo.pref_row(row, tokenizer, args)
     # --prompt_key is --input_key; a multi-turn prompt (list of messages) goes through the chat template
-    parsed = dpo.parse_args(["--pretrain", "m", "--dataset", "d.jsonl", "--prompt_key", "question", "--apply_chat_template"])
-    multi = dpo.pref_row({"question": [{"role": "user", "content": "reverse: a b"}, {"role": "assistant", "content": "b a"},
-                                       {"role": "user", "content": "reverse: c d"}], "chosen": "d c", "rejected": "c d"},
+    parsed = dpo.parse_args(["--pretrain", "m", "--dataset", "d.jsonl", "--prompt_key", "question",
+                             "--apply_chat_template"])
+    multi = dpo.pref_row({"question": [{"role": "user", "content": "reverse: a b"},
+                                       {"role": "assistant", "content": "b a"},
+                                       {"role": "user", "content": "reverse: c d"}], "chosen": "d c",
+                                       "rejected": "c d"},
                          tokenizer, parsed)
     assert tokenizer.decode(multi["prompt_ids"]).count("<|user|>") == 2
     assert tokenizer.decode(multi["chosen_ids"]) == "d c<|end|>\n"
@@ -278,10 +287,12 @@ def test_fork_writes_to_its_own_place_and_names_a_flag_conflict(tmp_path):
     parsed = load_fork(tmp_path, "my_dpo").parse_args(required)
     assert (parsed.ckpt.save_path, parsed.ckpt.ckpt_path) == ("outputs/my_dpo", "outputs/my_dpo_ckpt")
     # a fork adds a flag that a shared option group already has: the error names both fields
-    fork = load_fork(tmp_path, "my_dpo_seed", [('    beta: float = 0.1\n', '    beta: float = 0.1\n    seed: int = 0\n')])
+    fork = load_fork(tmp_path, "my_dpo_seed", [('    beta: float = 0.1\n',
+                                                '    beta: float = 0.1\n    seed: int = 0\n')])
     with pytest.raises(ValueError, match=r"--seed is defined twice: by Args\.train\.seed \(option group TrainArgs\) "
                                          r"and by Args\.seed; rename the new field"):
         fork.parse_args(required)
-    fork = load_fork(tmp_path, "my_dpo_alias", [('    beta: float = 0.1\n', '    beta: float = 0.1\n    prompt_key: str = "q"\n')])
+    fork = load_fork(tmp_path, "my_dpo_alias", [('    beta: float = 0.1\n',
+                                                 '    beta: float = 0.1\n    prompt_key: str = "q"\n')])
     with pytest.raises(ValueError, match=r"--prompt_key is defined twice: by Args\.data\.input_key"):
         fork.parse_args(required)

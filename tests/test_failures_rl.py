@@ -13,7 +13,7 @@ import uuid
 import psutil
 import pytest
 
-from conftest import ROOT, read_jsonl, run_script
+from conftest import ROOT, read_jsonl
 from test_grpo import grpo_args
 
 
@@ -49,7 +49,8 @@ def run_tagged(script, args, timeout=300, nproc=1):
     cmd = [sys.executable, path] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      "--nproc_per_node", str(nproc), path]
     start = time.time()
-    proc = subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     return proc, time.time() - start, tag
 
 

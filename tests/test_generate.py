@@ -1,5 +1,6 @@
 """algos/generate.py through its CLI: best-of-n, resume, rejection sampling / conditional SFT data
-that sft.py trains on, iterative-DPO pairs that dpo.py trains on (and launch/iterative_dpo.sh, the loop over them), and bad input."""
+that sft.py trains on, iterative-DPO pairs that dpo.py trains on (and launch/iterative_dpo.sh, the loop over
+them), and bad input."""
 
 import os
 import subprocess
@@ -81,9 +82,11 @@ def test_iterative_dpo_pairs_train_with_dpo(assets, sft_model, tmp_path):
     assert [r["index"] for r in read_jsonl(out)] == list(range(64, 128))  # the --iter 1 slice
     pairs = read_jsonl(tmp_path / "gen.iter_dpo.jsonl")
     assert len(pairs) >= 8 and all(p["chosen"].strip() != p["rejected"].strip() and p["margin"] == 1.0 for p in pairs)
-    run_script("dpo.py", ["--pretrain", sft_model, "--dataset", tmp_path / "gen.iter_dpo.jsonl", "--apply_chat_template",
+    run_script("dpo.py", ["--pretrain", sft_model, "--dataset", tmp_path / "gen.iter_dpo.jsonl",
+                          "--apply_chat_template",
                           "--max_len", 128, "--train_batch_size", 4, "--micro_train_batch_size", 4, "--max_epochs", 4,
-                          "--learning_rate", 1e-4, "--save_path", tmp_path / "dpo", "--metrics_file", tmp_path / "dpo.jsonl"])
+                          "--learning_rate", 1e-4, "--save_path", tmp_path / "dpo", "--metrics_file",
+                          tmp_path / "dpo.jsonl"])
     losses = [m["train/loss"] for m in read_jsonl(tmp_path / "dpo.jsonl")]
     steps_per_epoch = len(pairs) // 4
     assert abs(losses[0] - 0.6931) <= 1e-3  # policy = reference at the first step: log 2

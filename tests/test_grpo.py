@@ -77,7 +77,8 @@ def test_step_normalisers():
     assert grpo.step_normaliser("constant", 37, 8, 64, 16) == 64 * 16  # Dr. GRPO: independent of lengths
 
 
-@pytest.mark.parametrize("estimator,loss_agg", [("group_norm", "token"), ("group_norm", "sequence"), ("dr_grpo", "token")])
+@pytest.mark.parametrize("estimator,loss_agg", [("group_norm", "token"), ("group_norm", "sequence"),
+                                                ("dr_grpo", "token")])
 def test_step_loss_is_invariant_to_micro_batches_and_ranks(assets, estimator, loss_agg):
     """One optimizer step of 8 samples: all in one micro-batch = 4 micro-batches (2 ranks x 2) summed,
     with the step normaliser over all of them (what train() all-reduces)."""
@@ -133,7 +134,8 @@ def check_vllm_matches_trainer(metrics):
 
 
 def test_grpo_learns_reversal(assets, rl_start_model, tmp_path):
-    run_script("grpo.py", grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 64, "--train_batch_size", 256,
+    run_script("grpo.py", grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 64, "--train_batch_size",
+                                    256,
                                     "--max_epochs", 2, "--actor_learning_rate", 1e-4, "--max_steps", 30,
                                     "--eval_steps", 30), timeout=900)
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
@@ -143,12 +145,14 @@ def test_grpo_learns_reversal(assets, rl_start_model, tmp_path):
     steps = [m for m in metrics if "train/reward" in m]
     assert len(steps) == 30 and all(m[f"time/{p}"] > 0 for m in steps for p in ("generate", "reward", "logprobs",
                                                                                  "train", "sync"))
-    assert os.path.exists(tmp_path / "out" / "config.json") and os.path.exists(tmp_path / "out" / "best" / "config.json")
+    assert os.path.exists(tmp_path / "out" / "config.json")
+    assert os.path.exists(tmp_path / "out" / "best" / "config.json")
 
 
 ESTIMATOR_RUNS = {
     # each estimator once, each run also covering a placement / model / KL / reward-source variant
-    "dr_grpo_colocated_two_engines": ["--advantage_estimator", "dr_grpo", "--colocate_all_models", "--vllm_num_engines", 2,
+    "dr_grpo_colocated_two_engines": ["--advantage_estimator", "dr_grpo", "--colocate_all_models", "--vllm_num_engines",
+                                      2,
                                       "--vllm_enable_sleep"],
     "rloo_lora": ["--advantage_estimator", "rloo", "--lora_rank", 8, "--actor_learning_rate", 1e-3],
     "reinforce_kl_in_reward_http_reward": ["--advantage_estimator", "reinforce", "--init_kl_coef", 0.01],
@@ -185,9 +189,12 @@ def test_estimators_raise_reward(assets, rl_start_model, tmp_path, name):
 
 def test_resume_continues_the_same_run(assets, rl_start_model, tmp_path):
     def run(*extra):
-        return run_script("grpo.py", grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size",
-                                               64, "--actor_learning_rate", 1e-4, "--max_samples", 256, "--max_steps", 4,
-                                               "--save_steps", 2, "--ckpt_path", tmp_path / "ckpt", *extra), timeout=900)
+        return run_script("grpo.py", grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16,
+                                               "--train_batch_size",
+                                               64, "--actor_learning_rate", 1e-4, "--max_samples", 256, "--max_steps",
+                                               4,
+                                               "--save_steps", 2, "--ckpt_path", tmp_path / "ckpt", *extra),
+                                               timeout=900)
 
     run()
     whole = {m["step"]: m for m in read_jsonl(tmp_path / "metrics.jsonl") if "train/reward" in m}
@@ -204,7 +211,8 @@ def test_resume_continues_the_same_run(assets, rl_start_model, tmp_path):
 
 
 def test_bad_input(assets, rl_start_model, tmp_path):
-    base = grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size", 64, "--max_steps", 1)
+    base = grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size", 64,
+                     "--max_steps", 1)
     proc = run_script("grpo.py", base + ["--n_samples_per_prompt", 1], expect_ok=False)
     assert proc.returncode != 0 and "set --n_samples_per_prompt >= 2" in proc.stderr
     assert "Ray" not in proc.stdout + proc.stderr.split("error:")[0]  # refused before Ray started
@@ -212,8 +220,9 @@ def test_bad_input(assets, rl_start_model, tmp_path):
     assert proc.returncode != 0 and "rl_train.jsonl: row 0: missing field 'solution' (--label_key)" in proc.stderr
     raising = tmp_path / "raising_reward.py"
     raising.write_text("def reward_func(queries, prompts, labels):\n"
-                       "    return [1.0 / (len(label) - 7) for label in labels]  # a label of 7 characters divides by 0\n")
-    proc = run_script("grpo.py", grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size",
+                       "    return [1.0 / (len(label) - 7) for label in labels]  # a 7-character label divides by 0\n")
+    proc = run_script("grpo.py", grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16,
+                                           "--train_batch_size",
                                            64, "--max_steps", 1, reward=raising), expect_ok=False, timeout=900)
     assert proc.returncode != 0 and str(raising) in proc.stderr and "ZeroDivisionError" in proc.stderr
     assert "sample" in proc.stderr

@@ -57,9 +57,11 @@ def test_rows_unpaired_paired_and_bad(assets):
     tokenizer = AutoTokenizer.from_pretrained(f"{assets}/llama-0.5m")
     args = kto_args(kto)
     one = kto.kto_row({"prompt": "reverse: a b", "completion": "b a", "label": False}, tokenizer, args)
-    assert one["label"] == [False] and one["paired"] == [False] and tokenizer.decode(one["completion_ids"][0]) == "b a<|end|>\n"
+    assert one["label"] == [False] and one["paired"] == [False]
+    assert tokenizer.decode(one["completion_ids"][0]) == "b a<|end|>\n"
     two = kto.kto_row({"prompt": "reverse: a b", "chosen": "b a", "rejected": "a b"}, tokenizer, args)
-    assert two["label"] == [True, False] and two["paired"] == [True, True] and two["prompt_ids"][0] == two["prompt_ids"][1]
+    assert two["label"] == [True, False] and two["paired"] == [True, True]
+    assert two["prompt_ids"][0] == two["prompt_ids"][1]
     assert [tokenizer.decode(c) for c in two["completion_ids"]] == ["b a<|end|>\n", "a b<|end|>\n"]
     good = {"prompt": "reverse: a b", "completion": "b a", "label": True}
     for row, message in [
@@ -89,7 +91,8 @@ def test_rows_unpaired_paired_and_bad(assets):
     assert samples[1]["input_ids"] == [2] * 5 + [4] * 30
 
     with pytest.raises(ValueError, match="--micro_train_batch_size must be >= 2"):
-        kto.parse_args(["--pretrain", "m", "--dataset", "d.jsonl", "--train_batch_size", "1", "--micro_train_batch_size", "1"])
+        kto.parse_args(["--pretrain", "m", "--dataset", "d.jsonl", "--train_batch_size", "1",
+                        "--micro_train_batch_size", "1"])
 
 
 def test_cached_reference_equals_live(assets, sft_model):
@@ -135,7 +138,8 @@ def test_one_step_equal_across_zero_packing_reference_modes(assets, sft_model, t
     results = {}
     for name, (nproc, micro, zero, extra) in runs.items():
         run_script("kto.py", [*common, "--micro_train_batch_size", micro, "--zero_stage", zero, *extra,
-                              "--save_path", tmp_path / name, "--metrics_file", tmp_path / f"{name}.jsonl"], nproc=nproc)
+                              "--save_path", tmp_path / name, "--metrics_file", tmp_path / f"{name}.jsonl"],
+                              nproc=nproc)
         (results[name],) = read_jsonl(tmp_path / f"{name}.jsonl")
 
     # the plain implementation: padded rows, reference = the same weights, so r = 0 and z = 0
@@ -148,7 +152,8 @@ def test_one_step_equal_across_zero_packing_reference_modes(assets, sft_model, t
     model = AutoModelForCausalLM.from_pretrained(sft_model, attn_implementation="sdpa")
     examples = [kto.kto_row(r, tokenizer, kto_args(kto)) for r in rows(data)[:8]]
     batch = collate([{"input_ids": e["prompt_ids"][0] + e["completion_ids"][0],
-                      "loss_mask": [0] * len(e["prompt_ids"][0]) + [1] * len(e["completion_ids"][0])} for e in examples],
+                      "loss_mask": [0] * len(e["prompt_ids"][0]) + [1] * len(e["completion_ids"][0])}
+                     for e in examples],
                     tokenizer.pad_token_id, packing=False)
     logps, _ = token_logps(model, batch)
     logps = (logps * batch["loss_mask"]).sum(-1)
@@ -177,8 +182,10 @@ def test_desirable_examples_only(assets, sft_model, tmp_path):
     """Only desirable examples (λ_D 2), 2 ranks: KTO runs (the undesirable term is empty), the first loss
     is λ_D / 2, every loss lies in (0, λ_D), z >= 0, no undesirable metric is logged, and the weights move."""
     only = tmp_path / "desirable.jsonl"
-    only.write_text("".join(json.dumps(r) + "\n" for r in rows(f"{assets}/data/reverse/unpaired_train.jsonl") if r["label"]))
-    run_script("kto.py", ["--pretrain", sft_model, "--dataset", only, *TASK, "--max_samples", 48, "--train_batch_size", 16,
+    only.write_text(
+        "".join(json.dumps(r) + "\n" for r in rows(f"{assets}/data/reverse/unpaired_train.jsonl") if r["label"]))
+    run_script("kto.py", ["--pretrain", sft_model, "--dataset", only, *TASK, "--max_samples", 48, "--train_batch_size",
+                          16,
                           "--micro_train_batch_size", 4, "--learning_rate", 1e-4, "--desirable_loss_weight", 2.0,
                           "--save_path", tmp_path / "out", "--metrics_file", tmp_path / "m.jsonl"], nproc=2)
     metrics = read_jsonl(tmp_path / "m.jsonl")
@@ -203,7 +210,8 @@ def test_kto_learns_and_exports(assets, sft_model, tmp_path):
     data = f"{assets}/data/reverse"
     out, metrics_file = tmp_path / "model", tmp_path / "metrics.jsonl"
     proc = run_script("kto.py", [
-        "--pretrain", sft_model, "--dataset", f"{data}/unpaired_train.jsonl", "--eval_dataset", f"{data}/pref_test.jsonl",
+        "--pretrain", sft_model, "--dataset", f"{data}/unpaired_train.jsonl", "--eval_dataset",
+        f"{data}/pref_test.jsonl",
         *TASK, "--train_batch_size", 32, "--micro_train_batch_size", 8, "--learning_rate", 3e-4, "--beta", 0.1,
         "--save_path", out, "--metrics_file", metrics_file,
     ], nproc=2)
@@ -225,7 +233,8 @@ def test_kto_learns_and_exports(assets, sft_model, tmp_path):
     pairs = [kto.kto_row(r, tokenizer, kto_args(kto)) for r in rows(f"{data}/pref_test.jsonl")]
     with torch.no_grad():
         batch = collate([{"input_ids": p["prompt_ids"][0] + p["completion_ids"][0],
-                          "loss_mask": [0] * len(p["prompt_ids"][0]) + [1] * len(p["completion_ids"][0])} for p in pairs],
+                          "loss_mask": [0] * len(p["prompt_ids"][0]) + [1] * len(p["completion_ids"][0])}
+                         for p in pairs],
                         tokenizer.pad_token_id, packing=False)
         logps, _ = token_logps(model, batch)
     hf_chosen = (logps * batch["loss_mask"]).sum(-1).mean().item()
@@ -239,7 +248,8 @@ def test_resume_reproduces_uninterrupted_run(assets, sft_model, tmp_path):
     start) gives the same losses for steps 3-4 and the same final weights, to 1e-6."""
     import shutil
 
-    common = ["--pretrain", sft_model, "--dataset", f"{assets}/data/reverse/unpaired_train.jsonl", *TASK, "--max_samples", 64,
+    common = ["--pretrain", sft_model, "--dataset", f"{assets}/data/reverse/unpaired_train.jsonl", *TASK,
+              "--max_samples", 64,
               "--train_batch_size", 16, "--micro_train_batch_size", 4, "--learning_rate", 3e-4, "--save_steps", 2]
     full = tmp_path / "full_ckpt"
     run_script("kto.py", [*common, "--ckpt_path", full, "--save_path", tmp_path / "full", "--metrics_file",
@@ -248,7 +258,8 @@ def test_resume_reproduces_uninterrupted_run(assets, sft_model, tmp_path):
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "global_step4")
     (resumed / "latest").write_text("global_step2")
-    proc = run_script("kto.py", [*common, "--ckpt_path", resumed, "--load_checkpoint", "--save_path", tmp_path / "resumed",
+    proc = run_script("kto.py", [*common, "--ckpt_path", resumed, "--load_checkpoint", "--save_path",
+                                 tmp_path / "resumed",
                                  "--metrics_file", tmp_path / "resumed.jsonl"], nproc=2)
     assert "resumed from" in proc.stdout
     full_losses = {m["step"]: m["train/loss"] for m in read_jsonl(tmp_path / "full.jsonl")}

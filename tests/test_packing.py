@@ -53,7 +53,8 @@ def test_packed_equals_padded(assets, name):
         (packed_out.logits[r1, s1 : s1 + n] - padded_out.logits[r2, s2 : s2 + n]).abs().max().item()
         for (r1, s1, n), (r2, s2, _) in zip(packed["spans"], padded["spans"])
     )
-    logp_diff = max((a - b).abs().max().item() for a, b in zip(unpack(packed_logps, packed), unpack(padded_logps, padded)))
+    logp_diff = max((a - b).abs().max().item() for a, b in zip(unpack(packed_logps, packed),
+                                                               unpack(padded_logps, padded)))
     assert logit_diff <= 1e-4 and logp_diff <= 1e-4, (logit_diff, logp_diff)
     # the log-probs are real: equal to a plain forward of each sample alone
     alone = model(input_ids=torch.tensor([samples[3]["input_ids"]]), use_cache=False).logits[0, :-1].log_softmax(-1)

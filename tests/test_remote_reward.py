@@ -60,7 +60,8 @@ def test_rewards_with_the_token_and_401_without(server, monkeypatch):
     status, reply = post(server.url, json.dumps({"queries": QUERIES, "prompts": PROMPTS[:2]}).encode(), "secret-token")
     assert status == 400 and "equal length" in reply["error"]
     # OpenRLHF's clients send "query"; the labels may be absent
-    status, reply = post(server.url, json.dumps({"query": QUERIES[:1], "prompts": PROMPTS[:1]}).encode(), "secret-token")
+    status, reply = post(server.url, json.dumps({"query": QUERIES[:1], "prompts": PROMPTS[:1]}).encode(),
+                         "secret-token")
     assert (status, reply) == (200, {"rewards": [0.0]})  # label None: no match
     with pytest.raises(ValueError, match="needs a token"):
         serve_rewards(make_reward_fn(EXACT_MATCH), token="")
@@ -115,7 +116,8 @@ def test_client_retries_a_server_that_fails_twice_with_500():
         assert make_reward_fn(srv.url, token="t", backoff=0.01)(QUERIES, PROMPTS, LABELS).tolist() == EXPECTED
         assert calls == [3, 3, 3]  # exactly 3 attempts
         calls.clear()
-        with pytest.raises(RuntimeError, match=r"2 attempts failed .* last error: HTTP 500: RuntimeError: GPU fell off"):
+        with pytest.raises(RuntimeError,
+                           match=r"2 attempts failed .* last error: HTTP 500: RuntimeError: GPU fell off"):
             make_reward_fn(srv.url, token="t", retries=1, backoff=0.01)(QUERIES, PROMPTS, LABELS)
         assert len(calls) == 2
     finally:
@@ -157,7 +159,8 @@ def test_reward_file_errors_name_the_file_and_the_sample(tmp_path):
     path.write_text("def reward_func(queries, prompts, labels):\n    return [float(label) for label in labels]\n")
     fn = make_reward_fn(str(path))
     assert fn(QUERIES, PROMPTS, ["1", "2.5", "-3"]).tolist() == [1.0, 2.5, -3.0]
-    with pytest.raises(RuntimeError, match=rf"reward_func in {path} raised ValueError.*index 2, prompt 'reverse: e f\\n', "
+    with pytest.raises(RuntimeError,
+                       match=rf"reward_func in {path} raised ValueError.*index 2, prompt 'reverse: e f\\n', "
                                            r"label 'x'") as err:
         fn(QUERIES, PROMPTS, ["1", "2", "x"])
     assert isinstance(err.value.__cause__, ValueError)
@@ -180,7 +183,8 @@ def test_reward_file_errors_name_the_file_and_the_sample(tmp_path):
 def test_reward_file_without_reward_func(tmp_path):
     path = tmp_path / "reward.py"
     path.write_text("def score(queries):\n    return [0.0] * len(queries)\n")
-    with pytest.raises(ValueError, match=rf"--reward_func {path} defines no function reward_func\(queries, prompts, labels\)"):
+    with pytest.raises(ValueError,
+                       match=rf"--reward_func {path} defines no function reward_func\(queries, prompts, labels\)"):
         make_reward_fn(str(path))
     with pytest.raises(ValueError, match=rf"--reward_func {tmp_path}/missing.py: no such file"):
         load_reward_func(str(tmp_path / "missing.py"))
@@ -202,7 +206,8 @@ def test_cli_serves_a_reward_model(assets, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(f"{assets}/llama-0.5m")
     tokenizer.save_pretrained(rm_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MINRLHF_REWARD_TOKEN": ""}
-    cmd = [sys.executable, "-m", "common.remote_reward", "--reward_pretrain", rm_path, "--normalize_reward", "--port", "0"]
+    cmd = [sys.executable, "-m", "common.remote_reward", "--reward_pretrain", rm_path, "--normalize_reward", "--port",
+           "0"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = proc.stdout.readline().split()[-1]
@@ -217,7 +222,8 @@ def test_cli_serves_a_reward_model(assets, tmp_path):
     assert torch.allclose(rewards, expected, atol=1e-5) and torch.allclose(rewards, (raw - 0.25) / 2.0, atol=1e-5)
     assert len(set(rewards.tolist())) == 3  # three texts, three different scores
 
-    bad = subprocess.run([sys.executable, "-m", "common.remote_reward", "--reward_func", EXACT_MATCH, "--reward_pretrain",
+    bad = subprocess.run([sys.executable, "-m", "common.remote_reward", "--reward_func", EXACT_MATCH,
+                          "--reward_pretrain",
                           rm_path], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "give exactly one of --reward_func and --reward_pretrain" in bad.stderr
 

@@ -19,7 +19,8 @@ from common.packing import collate
 from common.reward import reward_index, score, sequence_rewards
 
 PAIR = ["--prompt_key", "prompt", "--apply_chat_template", "--max_len", "64"]
-PRM = ["--prm", "--prompt_key", "prompt", "--input_key", "response", "--placeholder_token", ";", "--apply_chat_template",
+PRM = ["--prm", "--prompt_key", "prompt", "--input_key", "response", "--placeholder_token", ";",
+       "--apply_chat_template",
        "--max_len", "64"]
 
 
@@ -117,7 +118,8 @@ def test_prm_loss_only_at_step_tags(assets):
     model = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m", attn_implementation="sdpa").eval()
     (chunk,) = rm.micro_batches_of(ds, range(6), 6, args)
     with torch.no_grad():
-        loss_sum, stats = rm.forward_loss(model, rm.make_batch(chunk, args, tokenizer.pad_token_id, False), args, [good, bad])
+        loss_sum, stats = rm.forward_loss(model, rm.make_batch(chunk, args, tokenizer.pad_token_id, False), args,
+                                          [good, bad])
         expected, steps = 0.0, 0
         for row, sample in zip(raw, chunk):
             logits = model(input_ids=torch.tensor([sample["input_ids"]])).logits[0]
@@ -183,7 +185,8 @@ def test_pairwise_rm_learns_and_exports(assets, sft_model, tmp_path, zero_stage)
         "--zero_stage", zero_stage, "--skip_bad_rows", "--save_path", out, "--metrics_file", metrics_file,
     ], nproc=2)
     # the reverse data has palindromes, whose wrong answer (a rotation) equals the right one: counted skips
-    assert "pref_train.jsonl: skipped 5 bad row(s) of 2000; first: row 66: fields 'chosen' and 'rejected' are identical" in proc.stdout
+    assert ("pref_train.jsonl: skipped 5 bad row(s) of 2000; first: row 66: fields 'chosen' and 'rejected' are "
+            "identical") in proc.stdout
     metrics = read_jsonl(metrics_file)
     assert len([m for m in metrics if "train/loss" in m]) == 3 * (1995 // 32)
     final = metrics[-1]
@@ -296,11 +299,14 @@ def zero3_score_worker(model_dir, out_file):
     import torch.distributed as dist
     from transformers import AutoModelForSequenceClassification
 
-    from common.engine import ModelArgs, TrainArgs, create_eval_engine, deepspeed_eval_config, init_distributed, load_causal_lm
+    from common.engine import (
+        ModelArgs, TrainArgs, create_eval_engine, deepspeed_eval_config, init_distributed, load_causal_lm,
+    )
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    ds_config = deepspeed_eval_config(TrainArgs(zero_stage=3, micro_train_batch_size=2, train_batch_size=2 * world), world)
+    ds_config = deepspeed_eval_config(TrainArgs(zero_stage=3, micro_train_batch_size=2, train_batch_size=2 * world),
+                                      world)
     engine = create_eval_engine(load_causal_lm(ModelArgs(pretrain=model_dir), ds_config,
                                                model_cls=AutoModelForSequenceClassification), ds_config)
     assert engine.zero_optimization_stage() == 3
@@ -352,7 +358,8 @@ def test_bad_rows(assets, tmp_path):
     tag = tokenizer.convert_tokens_to_ids(";")
     step = {"prompt": "count: 1 to 4", "response": "2; 3; 5;", "labels": ["+", "+", "-"]}
     out = rm.step_row({**step, "labels": [1, 0.9, 0.0]}, tokenizer, args, tag, ("+", "-"))
-    assert [(t, v) for t, v in zip(out["input_ids"], out["step_labels"]) if v >= 0] == [(tag, 1.0), (tag, 0.9), (tag, 0.0)]
+    assert [(t, v) for t, v in zip(out["input_ids"],
+                                   out["step_labels"]) if v >= 0] == [(tag, 1.0), (tag, 0.9), (tag, 0.0)]
     hard = rm.step_row(step, tokenizer, args, tag, ("+", "-"))["step_labels"]
     assert [v for v in hard if v >= 0] == [1.0, 1.0, 0.0]
     cases = [

@@ -106,9 +106,10 @@ def test_loss_normalisation_across_accumulation_and_ranks(assets, tmp_path):
     grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())).item()
 
     ref_loss, ref_norm, ref_out = results["micro8"]
-    assert abs(ref_loss - loss.item()) <= 1e-5 and abs(ref_norm - grad_norm) <= 1e-5 * grad_norm, (ref_loss, ref_norm, loss.item(), grad_norm)
-    for name, (l, n, out) in results.items():
-        assert abs(l - ref_loss) <= 1e-5, (name, l, ref_loss)
+    assert abs(ref_loss - loss.item()) <= 1e-5, (ref_loss, loss.item())
+    assert abs(ref_norm - grad_norm) <= 1e-5 * grad_norm, (ref_norm, grad_norm)
+    for name, (loss_, n, out) in results.items():
+        assert abs(loss_ - ref_loss) <= 1e-5, (name, loss_, ref_loss)
         assert abs(n - ref_norm) <= 1e-5 * ref_norm, (name, n, ref_norm)
         assert max_weight_diff(out, ref_out) <= 1e-5, name
 
@@ -123,7 +124,8 @@ def test_zero3_eval_with_uneven_shards(assets, tmp_path):
     eval_rows = rows(f"{data}/sft_test.jsonl")[:5]
     eval_file.write_text("".join(json.dumps(r) + "\n" for r in eval_rows))
     run_script("sft.py", [
-        "--pretrain", f"{assets}/llama-0.5m", "--dataset", f"{data}/sft_train.jsonl", "--eval_dataset", eval_file, *TASK,
+        "--pretrain", f"{assets}/llama-0.5m", "--dataset", f"{data}/sft_train.jsonl", "--eval_dataset", eval_file,
+        *TASK,
         "--max_samples", 16, "--train_batch_size", 8, "--micro_train_batch_size", 2, "--zero_stage", 3,
         "--learning_rate", 1e-3, "--save_path", tmp_path / "out", "--metrics_file", tmp_path / "m.jsonl",
     ], nproc=2, timeout=300)
@@ -146,7 +148,8 @@ def test_resume_reproduces_uninterrupted_run(assets, tmp_path):
     full = tmp_path / "full_ckpt"
     run_script("sft.py", [*common, "--ckpt_path", full, "--save_path", tmp_path / "full", "--metrics_file",
                           tmp_path / "full.jsonl"], nproc=2)
-    assert sorted(d for d in os.listdir(full) if d.startswith("global_step")) == ["global_step4", "global_step6", "global_step8"]
+    kept = sorted(d for d in os.listdir(full) if d.startswith("global_step"))
+    assert kept == ["global_step4", "global_step6", "global_step8"]
     assert (full / "latest").read_text() == "global_step8"
 
     # crash after step 4: `latest` names step 4, and a half-written step-6 save is left behind
@@ -205,7 +208,7 @@ def test_qlora_step_trains(assets, tmp_path):
         0, "--save_path", out, "--metrics_file", tmp_path / "m.jsonl",
     ])
     losses = [m["train/loss"] for m in read_jsonl(tmp_path / "m.jsonl")]
-    assert len(losses) == 2 and all(l == l and l > 0 for l in losses)
+    assert len(losses) == 2 and all(x == x and x > 0 for x in losses)
     adapter = weights(out)
     lora_b = [v for k, v in adapter.items() if "lora_B" in k]
     assert lora_b and all(v.abs().max().item() > 0 for v in lora_b)  # B starts at zero: a step moved it
@@ -219,7 +222,8 @@ def test_moe_aux_loss_under_zero3(assets, tmp_path):
     torch.manual_seed(0)
     config = MixtralConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=2, num_key_value_heads=2, head_dim=64, num_local_experts=4,
-                           num_experts_per_tok=2, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                           num_experts_per_tok=2, pad_token_id=tokenizer.pad_token_id,
+                           eos_token_id=tokenizer.eos_token_id)
     MixtralForCausalLM(config).save_pretrained(tmp_path / "moe")
     tokenizer.save_pretrained(tmp_path / "moe")
     run_script("sft.py", [
@@ -237,8 +241,10 @@ def test_moe_aux_loss_under_zero3(assets, tmp_path):
 @pytest.mark.parametrize("mode", ["multiturn", "pretrain_mode"])
 def test_multiturn_and_pretrain_modes_learn(assets, tmp_path, mode):
     data = f"{assets}/data/reverse"
-    flags = (["--multiturn", "--apply_chat_template", "--input_key", "messages", "--dataset", f"{data}/multiturn_train.jsonl"]
-             if mode == "multiturn" else ["--pretrain_mode", "--input_key", "text", "--dataset", f"{data}/pretrain_train.jsonl"])
+    flags = (["--multiturn", "--apply_chat_template", "--input_key", "messages", "--dataset",
+              f"{data}/multiturn_train.jsonl"]
+             if mode == "multiturn" else ["--pretrain_mode", "--input_key", "text", "--dataset",
+                                          f"{data}/pretrain_train.jsonl"])
     run_script("sft.py", [
         "--pretrain", f"{assets}/llama-0.5m", *flags, "--max_len", 128, "--max_samples", 512, "--train_batch_size", 32,
         "--micro_train_batch_size", 16, "--learning_rate", 3e-3, "--save_path", tmp_path / "out", "--metrics_file",
@@ -252,7 +258,8 @@ def test_argument_errors_before_model_load(assets, monkeypatch):
     sft = load_algo("sft")
     required = ["--pretrain", "some/model", "--dataset", "a.jsonl"]
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="--train_batch_size 10 must be a multiple of --micro_train_batch_size 4 x world size 2"):
+    with pytest.raises(ValueError,
+                       match="--train_batch_size 10 must be a multiple of --micro_train_batch_size 4 x world size 2"):
         sft.parse_args([*required, "--train_batch_size", "10", "--micro_train_batch_size", "4"])
     with pytest.raises(ValueError, match="--dataset_probs has 1 values but --dataset names 2"):
         sft.parse_args([*required, "--dataset", "a.jsonl,b.jsonl", "--dataset_probs", "1.0"])
@@ -264,7 +271,8 @@ def test_argument_errors_before_model_load(assets, monkeypatch):
         with pytest.raises(ValueError, match=f"{flag[0]} does not apply to --pretrain_mode"):
             sft.parse_args([*required, "--pretrain_mode", *flag])
     for mode in (["--pretrain_mode"], ["--multiturn", "--apply_chat_template"]):
-        with pytest.raises(ValueError, match=f"--output_key is read only from prompt/response data, not with {mode[0]}"):
+        with pytest.raises(ValueError,
+                           match=f"--output_key is read only from prompt/response data, not with {mode[0]}"):
             sft.parse_args([*required, *mode, "--output_key", "response"])
     with pytest.raises(SystemExit):  # tyro: --pretrain and --dataset are required
         sft.parse_args(["--train_batch_size", "8"])
@@ -277,7 +285,8 @@ def test_argument_errors_before_model_load(assets, monkeypatch):
     assert "Loading weights" not in proc.stderr + proc.stdout
     bad = os.path.join(assets, "bad.jsonl")
     with open(bad, "w") as f:
-        f.write(json.dumps({"prompt": "reverse: a b", "response": "b a"}) + "\n" + json.dumps({"prompt": "reverse: c"}) + "\n")
+        f.write(json.dumps({"prompt": "reverse: a b",
+                            "response": "b a"}) + "\n" + json.dumps({"prompt": "reverse: c"}) + "\n")
     # a bad row under torchrun reads like an argument error: one line from rank 0, exit code 1, and
     # no worker traceback (the only one is torchrun's own ChildFailedError summary)
     proc = run_script("sft.py", ["--pretrain", f"{assets}/llama-0.5m", "--dataset", bad, *TASK], nproc=2,

@@ -77,10 +77,11 @@ def test_kv_cache_budget_is_sized_from_the_run_not_the_machine(assets, tmp_path,
     assert kv_cache_bytes(small, 64, 1) == 16 << 20  # the floor
     budgets = []
     for node_gib in (3.6, 10.2, 24.0):
-        info = cpu_resource_utils.MemoryNodeInfo(total_memory=int(node_gib * 2**30), available_memory=int(node_gib * 2**29))
+        info = cpu_resource_utils.MemoryNodeInfo(total_memory=int(node_gib * 2**30),
+                                                 available_memory=int(node_gib * 2**29))
         monkeypatch.setattr(cpu_resource_utils, "get_memory_node_info", lambda node_id=0, info=info: info)
-        monkeypatch.setattr(psutil, "virtual_memory", lambda info=info: type("vm", (), {"total": info.total_memory,
-                                                                                       "available": info.available_memory}))
+        vm = {"total": info.total_memory, "available": info.available_memory}
+        monkeypatch.setattr(psutil, "virtual_memory", lambda vm=vm: type("vm", (), vm))
         budgets.append((kv_cache_bytes(small, 128, 256), kv_cache_bytes(big, 96, 256)))
     assert len(set(budgets)) == 1, budgets
 
@@ -198,7 +199,8 @@ def test_lora_weights_are_merged_on_sync(tiny, llm):
                 p.normal_(0, 0.1)  # B starts at zero; make the adapter matter
     source = HFWeightSource(model)
     names = [m.name for m in source.metadata()]
-    assert names == [n for n, _ in source] == [n for n, _ in AutoModelForCausalLM.from_pretrained(path).named_parameters()]
+    hf_names = [n for n, _ in AutoModelForCausalLM.from_pretrained(path).named_parameters()]
+    assert names == [n for n, _ in source] == hf_names
     WeightSync([llm], colocated=True).sync(model)
     sequences = [p + [40, 41] for p in prompts]
     assert max_diff(hf_logprobs(model, sequences), vllm_sequence_logprobs(llm, sequences)) <= 1e-4
@@ -244,7 +246,8 @@ def test_engine_in_ray_actor_generates_and_syncs(tiny):
     from transformers import AutoModelForCausalLM
 
     path, _, prompts = tiny
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}})
+    ray.init(num_cpus=2, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}})
     try:
         actor = create_vllm_actor(path, ENGINE)
         results = ray.get(actor.generate.remote(prompts[:2], SamplingArgs(n=2, max_new_tokens=6, seed=0)))
@@ -273,7 +276,8 @@ def run_zero_sync_check(model_path, tmp_path, nproc, zero_stage, lora_rank):
 
     out = tmp_path / "result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(nproc),
                            os.path.join(ROOT, "tests", "scripts", "zero_sync_check.py"), model_path, str(zero_stage),
                            str(lora_rank), str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]

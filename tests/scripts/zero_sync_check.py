@@ -10,7 +10,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from common.engine import (  # noqa: E402
-    ModelArgs, TrainArgs, create_train_engine, deepspeed_config, finish, init_distributed, load_causal_lm, optimizer_step,
+    ModelArgs, TrainArgs, create_train_engine, deepspeed_config, finish, init_distributed, load_causal_lm,
+    optimizer_step,
 )
 from common.packing import collate, token_logps  # noqa: E402
 from common.vllm_engine import EngineArgs, create_vllm_engine, vllm_sequence_logprobs  # noqa: E402
