@@ -38,7 +38,7 @@ class ModelArgs:
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     attn_implementation: Optional[str] = None
-    """Attention kernel; default flash_attention_2 on CUDA when installed, else sdpa."""
+    """Attention kernel; default flash_attention_2 on CUDA when installed (else sdpa), varlen_sdpa on CPU."""
     lora_rank: int = 0
     """LoRA rank; 0 trains all weights."""
     lora_alpha: int = 16
@@ -313,20 +313,26 @@ _HF_DS_CONFIGS = []  # transformers reads ZeRO-3 settings from a live HfDeepSpee
 
 
 def default_attn_implementation():
+    """flash_attention_2 on CUDA when installed (sdpa without it); on CPU common.varlen_attention's
+    varlen_sdpa, which attends within each packed sample instead of over a block-diagonal mask."""
     if torch.cuda.is_available():
         try:
             import flash_attn  # noqa: F401
 
             return "flash_attention_2"
         except ImportError:
-            pass
-    return "sdpa"
+            return "sdpa"
+    from common.varlen_attention import NAME  # importing it registers the name with transformers
+
+    return NAME
 
 
 def load_causal_lm(model_args: ModelArgs, ds_config=None, path=None, model_cls=None, **kwargs):
     """Load a causal LM for training or inference, partitioned at load time under ZeRO-3,
     with LoRA / QLoRA adapters and gradient checkpointing as asked."""
     from transformers import AutoModelForCausalLM
+
+    from common import varlen_attention  # noqa: F401  (registers varlen_sdpa, also when asked for by name)
 
     model_cls = model_cls or AutoModelForCausalLM
     if ds_config is not None and ds_config["zero_optimization"]["stage"] == 3:
