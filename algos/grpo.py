@@ -348,15 +348,26 @@ def token_entropy(logits):
     return torch.nn.functional.pad(-(logps.exp() * logps).sum(-1), (1, 0))
 
 
+def single_update(args):
+    """Each rollout feeds exactly one optimizer step, and no KL to the reference goes into the
+    reward: the log-probs before the update are the update's own (ratio 1), so the separate
+    forward that computes them is skipped, as TRL and OpenRLHF skip it."""
+    samples = args.rollout_batch_size * args.n_samples_per_prompt
+    one_step = args.train.max_epochs == 1 and samples == args.train.train_batch_size
+    return one_step and not (args.init_kl_coef > 0 and not args.use_kl_loss)
+
+
 def micro_batch_loss(model, batch, args, normaliser, scale=1.0):
     """The policy loss of one collated micro-batch, already divided by the step's normaliser (times
-    `scale`, which undoes DeepSpeed's averaging); returns (loss, metric sums)."""
+    `scale`, which undoes DeepSpeed's averaging); returns (loss, metric sums). Without "old_logps"
+    in the batch (single_update) the current log-probs stand in for them, detached."""
     logps, outputs = token_logps(model, batch)
     mask = batch["loss_mask"]
+    old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
-    per_token, clipped = policy_loss(logps, batch["old_logps"], batch["advantages"], eps_low, eps_high, args.dual_clip)
+    per_token, clipped = policy_loss(logps, old_logps, batch["advantages"], eps_low, eps_high, args.dual_clip)
     if args.vllm_is_truncation > 0:  # vLLM sampled from slightly different numbers than the trainer computes
-        per_token = per_token * torch.exp(batch["old_logps"] - batch["vllm_logps"]).clamp(max=args.vllm_is_truncation)
+        per_token = per_token * torch.exp(old_logps - batch["vllm_logps"]).clamp(max=args.vllm_is_truncation)
     mode = loss_mode(args)
     pieces = {"policy_loss": aggregate(per_token, mask, batch["sample_index"], batch["num_samples"], mode)}
     total = pieces["policy_loss"]
@@ -371,6 +382,8 @@ def micro_batch_loss(model, batch, args, normaliser, scale=1.0):
         total = total - args.entropy_loss_coef * pieces["entropy"]
     pieces["clip_ratio"] = aggregate(clipped, mask, batch["sample_index"], batch["num_samples"], mode)
     metrics = {k: v.item() for k, v in pieces.items()}
+    # vLLM's log-probs of its samples vs the trainer's before this update (the weight-sync check)
+    metrics["vllm_logp_max_abs_diff"] = ((old_logps - batch["vllm_logps"]).abs() * mask).max().item()
     return total * scale / normaliser, metrics
 
 
@@ -423,6 +436,8 @@ class PolicyTrainer:
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         init_distributed(timeout_s=self.args.rendezvous_timeout)
         args = self.args
+        if not torch.cuda.is_available():  # Ray gives an actor num_cpus threads (1); the phases run one at a time
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // args.actor_num_gpus_per_node))
         set_seed(args.train.seed)
         ds_config = deepspeed_config(args.train, self.world)
         model = load_causal_lm(args.model, ds_config)
@@ -449,15 +464,16 @@ class PolicyTrainer:
         return self.weight_sync.sync(self.engine)
 
     @torch.no_grad()
-    def logprobs(self, samples):
-        """Per-response-token log-probs under the policy (before the update) and the reference."""
+    def logprobs(self, samples, policy=True):
+        """Per-response-token log-probs under the reference, and under the policy before the update
+        unless single_update makes them the update's own."""
         self.engine.eval()
         out = {"old_logps": [], "ref_logps": []}
         micro, max_tokens = self.args.micro_rollout_batch_size, self.max_tokens(samples)
         for start in range(0, len(samples), micro):
             chunk = samples[start : start + micro]
             batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.flash), device())
-            for key, model in (("old_logps", self.engine), ("ref_logps", self.ref)):
+            for key, model in (("old_logps", self.engine if policy else None), ("ref_logps", self.ref)):
                 if model is None:
                     continue
                 logps, _ = token_logps(model, batch)
@@ -476,8 +492,9 @@ class PolicyTrainer:
         args, engine = self.args, self.engine
         micro = args.train.micro_train_batch_size
         gas = accumulation_steps(args.train.train_batch_size, micro, self.world)
-        values = ["advantages", "old_logps", "vllm_logps"] + (["ref_logps"] if args.use_kl_loss else [])
-        totals, grad_norms, lrs = {}, [], []
+        values = (["advantages", "vllm_logps"] + ([] if single_update(args) else ["old_logps"])
+                  + (["ref_logps"] if args.use_kl_loss else []))
+        totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
         for samples in steps:
             max_tokens = self.max_tokens(samples)
             batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, max_tokens, self.flash, values),
@@ -493,6 +510,7 @@ class PolicyTrainer:
                 loss, metrics = micro_batch_loss(engine, batch, args, normaliser, scale=gas * self.world)
                 engine.backward(loss)
                 grad_norm = optimizer_step(engine)
+                vllm_diff = max(vllm_diff, metrics.pop("vllm_logp_max_abs_diff"))
                 for k, v in metrics.items():
                     step_metrics[k] = step_metrics.get(k, 0.0) + v / normaliser
             reduced = all_reduce_sum(list(step_metrics.values()))
@@ -501,6 +519,9 @@ class PolicyTrainer:
             grad_norms.append(grad_norm)
         totals["grad_norm"] = sum(grad_norms) / len(grad_norms)
         totals["lr"] = sum(lrs) / len(lrs)
+        diff = torch.tensor(vllm_diff, device=device())
+        torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
+        totals["vllm_logp_max_abs_diff"] = diff.item()
         return totals
 
     def save_checkpoint(self, step, client_state):
@@ -751,18 +772,20 @@ def main(args: Args):
                                 "vllm_logps": list(s.logprobs), "reward": reward - penalty,
                                 "masked": args.mask_truncated_responses and s.finish_reason == "length"})
 
-        # 3. log-probs before the update: policy (old) and reference, each rank its share
+        # 3. log-probs before the update: policy (old, unless single_update) and reference, each rank its share
         t0 = time.time()
-        shard = per_step // world
-        outs = roles.get([t.logprobs.remote(samples[r * shard : (r + 1) * shard]) for r, t in enumerate(trainers)])
-        for r, out in enumerate(outs):
-            for k, s in enumerate(samples[r * shard : (r + 1) * shard]):
-                s["old_logps"] = out["old_logps"][k]
-                if out["ref_logps"]:
-                    s["ref_logps"] = out["ref_logps"][k]
+        shard, policy_pass = per_step // world, not single_update(args)
+        if policy_pass or args.init_kl_coef > 0:
+            outs = roles.get([t.logprobs.remote(samples[r * shard : (r + 1) * shard], policy_pass)
+                              for r, t in enumerate(trainers)])
+            for r, out in enumerate(outs):
+                for k, s in enumerate(samples[r * shard : (r + 1) * shard]):
+                    if policy_pass:
+                        s["old_logps"] = out["old_logps"][k]
+                    if out["ref_logps"]:
+                        s["ref_logps"] = out["ref_logps"][k]
         phase("logprobs", t0)
         phases.update(1)
-        vllm_diff = max(abs(a - b) for s in samples for a, b in zip(s["old_logps"], s["vllm_logps"]))
 
         # 4. advantages (driver, over the whole rollout)
         rewards = torch.tensor([s["reward"] for s in samples]).clamp(*args.reward_clip_range).view(-1, n)
@@ -806,10 +829,10 @@ def main(args: Args):
                    "train/response_length": sum(lengths) / len(lengths),
                    "train/truncated": sum(s["masked"] for s in samples) / len(samples),
                    "train/dropped_groups": len(dropped), "train/sampling_rounds": rounds,
-                   "check/vllm_logp_max_abs_diff": vllm_diff, "perf/sync_mb": sync["bytes"] / 2**20,
-                   "perf/samples_per_s": per_step / (time.time() - t_step), **timing,
-                   **{f"train/{k}": v for k, v in train_metrics.items()}}
-        if any("ref_logps" in s for s in samples):
+                   "check/vllm_logp_max_abs_diff": train_metrics.pop("vllm_logp_max_abs_diff"),
+                   "perf/sync_mb": sync["bytes"] / 2**20, "perf/samples_per_s": per_step / (time.time() - t_step),
+                   **timing, **{f"train/{k}": v for k, v in train_metrics.items()}}
+        if all("ref_logps" in s and "old_logps" in s for s in samples):
             metrics["train/kl"] = (sum(approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]),
                                                  "k1").sum().item()
                                        for s in samples) / sum(lengths))

@@ -114,6 +114,44 @@ def test_step_loss_is_invariant_to_micro_batches_and_ranks(assets, estimator, lo
     assert whole.abs().max().item() > 1e-4  # the step has a real gradient
 
 
+def test_skipped_old_logprob_pass_equals_the_plain_path(assets):
+    """single_update: one optimizer step per rollout and no KL in the reward. Then the loss computed
+    with the current log-probs standing in for the old ones (no separate forward) equals the loss with
+    old log-probs from that forward (same weights): loss, gradients and the vLLM check (1e-6)."""
+    from transformers import AutoModelForCausalLM
+
+    base = grpo.Args(rollout_batch_size=4, n_samples_per_prompt=4, train=grpo.ActorTrainArgs(train_batch_size=16))
+    assert grpo.single_update(base)
+    assert not grpo.single_update(dataclasses.replace(base, train=grpo.ActorTrainArgs(train_batch_size=8)))
+    two_epochs = grpo.ActorTrainArgs(train_batch_size=16, max_epochs=2)
+    assert not grpo.single_update(dataclasses.replace(base, train=two_epochs))
+    assert not grpo.single_update(dataclasses.replace(base, init_kl_coef=0.1))  # the KL in the reward needs them
+    assert grpo.single_update(dataclasses.replace(base, init_kl_coef=0.1, use_kl_loss=True))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m", dtype=torch.float32)
+    args = dataclasses.replace(base, vllm_is_truncation=2.0, entropy_loss_coef=0.01, generate_max_len=16)
+    samples = [{"prompt_ids": [3, 20 + i, 21], "response_ids": [30 + (i * k) % 50 for k in range(2 + i)],
+                "advantages": torch.randn(2 + i).tolist(), "vllm_logps": (-torch.rand(2 + i) * 3).tolist()}
+               for i in range(6)]
+    with torch.no_grad():
+        batch = grpo.make_batch(samples, 0, 64, False, ["advantages", "vllm_logps"])
+        logps, _ = grpo.token_logps(model, batch)
+    for s, t in zip(samples, grpo.unpack(logps, batch)):
+        s["old_logps"] = t[len(s["prompt_ids"]):].tolist()
+    results = []
+    for values in (["advantages", "vllm_logps", "old_logps"], ["advantages", "vllm_logps"]):
+        model.zero_grad()
+        loss, metrics = grpo.micro_batch_loss(model, grpo.make_batch(samples, 0, 64, False, values), args, 30.0)
+        loss.backward()
+        results.append((loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()]), metrics))
+    (plain_loss, plain_grad, plain_metrics), (skip_loss, skip_grad, skip_metrics) = results
+    assert abs(plain_loss - skip_loss) <= 1e-6 and plain_grad.abs().max().item() > 1e-4
+    assert (plain_grad - skip_grad).abs().max().item() <= 1e-6 * plain_grad.abs().max().item()
+    for key in plain_metrics:
+        assert abs(plain_metrics[key] - skip_metrics[key]) <= 1e-6, key
+    assert plain_metrics["vllm_logp_max_abs_diff"] > 0.1  # made-up vLLM log-probs: the check sees the gap
+
+
 # ----------------------------------------------------------------------------------------------
 # End to end: python algos/grpo.py (Ray driver) with 2 trainer ranks and one vLLM engine
 # ----------------------------------------------------------------------------------------------
@@ -188,13 +226,13 @@ def test_estimators_raise_reward(assets, rl_start_model, tmp_path, name):
 
 
 def test_resume_continues_the_same_run(assets, rl_start_model, tmp_path):
+    """Also the single_update path end to end: 16 prompts x 8 samples = one optimizer step per rollout,
+    so the old-log-prob forward is skipped and the vLLM check runs on the update's own forward."""
     def run(*extra):
-        return run_script("grpo.py", grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16,
-                                               "--train_batch_size",
-                                               64, "--actor_learning_rate", 1e-4, "--max_samples", 256, "--max_steps",
-                                               4,
-                                               "--save_steps", 2, "--ckpt_path", tmp_path / "ckpt", *extra),
-                                               timeout=900)
+        args = grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size", 128,
+                         "--actor_learning_rate", 1e-4, "--max_samples", 256, "--max_steps", 4, "--save_steps", 2,
+                         "--ckpt_path", tmp_path / "ckpt", *extra)
+        return run_script("grpo.py", args, timeout=900)
 
     run()
     whole = {m["step"]: m for m in read_jsonl(tmp_path / "metrics.jsonl") if "train/reward" in m}
