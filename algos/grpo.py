@@ -36,8 +36,9 @@ sys.path.insert(0, ROOT)
 from common.data import BadRow, format_prompt, load_one, load_tokenizer, validate_prompt_args  # noqa: E402
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
-    deepspeed_config, deepspeed_eval_config, device, finish, init_distributed, load_causal_lm, load_checkpoint,
-    optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args,
+    deepspeed_config, deepspeed_eval_config, device, finish, hold_ckpt_path, init_distributed, load_causal_lm,
+    load_checkpoint, optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed,
+    validate_common_args,
 )
 from common.packing import collate, to_device, token_logps, unpack  # noqa: E402
 from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
@@ -858,6 +859,7 @@ def main(args: Args):
 if __name__ == "__main__":
     try:
         parsed = parse_args()
+        hold_ckpt_path(parsed.ckpt)  # a second run on the same --ckpt_path stops here
     except ValueError as e:  # argument mistakes: say what to fix, before Ray or any model starts
         sys.exit(f"error: {e}")
     try:

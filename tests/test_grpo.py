@@ -273,6 +273,11 @@ def test_argument_errors_and_reference_options(assets, capsys):
         grpo.parse_args([*required, "--aux_loss_coef", "0.01"])
     with pytest.raises(ValueError, match="--input_template and --apply_chat_template exclude each other"):
         grpo.parse_args([*required, "--input_template", "Q: {}", "--apply_chat_template"])
+    # lengths are checked against the model: the default is what the run needs, more than it supports fails
+    assert grpo.parse_args(required).engine.max_model_len == 64
+    assert grpo.parse_args([*required, "--generate_max_len", "1000"]).engine.max_model_len == 512  # capped
+    with pytest.raises(ValueError, match=r"--max_model_len 4096 is more than .* \(max_position_embeddings 512\)"):
+        grpo.parse_args([*required, "--max_model_len", "4096"])
     # the reference model is loaded as the policy is
     parsed = grpo.parse_args([*required, "--init_kl_coef", "0.01", "--attn_implementation", "eager", "--lora_rank", "8",
                               "--load_in_4bit"])
