@@ -310,12 +310,14 @@ def main(args: Args):
             if is_rank0():
                 bar.write(f"step {global_step}: " + ", ".join(
                     f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/") or k == "train/loss"))
+        # ---- boilerplate: log and save (the same text in every script; tests/test_boilerplate.py) ----
         if global_step % args.log.logging_steps == 0 or "eval/loss" in metrics:
             logger.log(metrics, global_step)
         if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
             save_checkpoint(engine, args.ckpt.ckpt_path, global_step,
                             {"global_step": global_step, "consumed_samples": global_step * batch_size},
                             args.ckpt.max_ckpt_num)
+        # ---- end of boilerplate: log and save ----
 
     save_hf_model(engine, tokenizer, args.ckpt.save_path, merge_lora=args.ckpt.merge_lora,
                   base_path=args.model.pretrain)
@@ -326,11 +328,13 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
+    # ---- boilerplate: entry point (the same text in every script; tests/test_boilerplate.py) ----
     try:
         parsed = parse_args()
         hold_ckpt_path(parsed.ckpt)  # a second run on the same --ckpt_path stops here
     except ValueError as e:  # argument mistakes: say what to fix, before any model is loaded
         sys.exit(f"error: {e}")
+    # ---- end of boilerplate: entry point ----
     try:
         main(parsed)
     except ValueError as e:  # data mistakes, raised alike on every rank: rank 0 says what to fix

@@ -1,0 +1,32 @@
+"""The boilerplate the training scripts share is the same text in each of them: blocks marked
+`# ---- boilerplate: <name> ...` / `# ---- end of boilerplate: <name> ----` (as CleanRL marks the
+parts a forker need not read) must be identical wherever they appear, so a fix made in one script
+is made in all, and a reader who read them once can skip them."""
+
+import glob
+import os
+import re
+
+from conftest import ROOT
+
+BLOCK = re.compile(r"# ---- boilerplate: (?P<name>[\w ]+) \(.*?\n(?P<body>.*?)[ ]*"
+                   r"# ---- end of boilerplate: (?P=name) ----", re.S)
+
+
+def marked_blocks():
+    blocks = {}
+    for path in sorted(glob.glob(os.path.join(ROOT, "algos", "*.py"))):
+        for m in BLOCK.finditer(open(path).read()):
+            blocks.setdefault(m.group("name"), {})[os.path.basename(path)] = m.group("body")
+    return blocks
+
+
+def test_marked_boilerplate_is_identical_across_scripts():
+    blocks = marked_blocks()
+    scripts = {"sft.py", "dpo.py", "kto.py", "rm.py", "distill.py"}
+    assert {"log and save", "entry point"} <= set(blocks), sorted(blocks)
+    for name, bodies in blocks.items():
+        assert scripts <= set(bodies), (name, sorted(bodies))
+        first = next(iter(bodies.values()))
+        differing = [script for script, body in bodies.items() if body != first]
+        assert not differing, f"boilerplate {name!r} differs in {differing} from {next(iter(bodies))}"
