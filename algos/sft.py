@@ -219,7 +219,8 @@ def main(args: Args):
         global_step = step + 1
         step_nll, step_aux = all_reduce_sum([step_nll, step_aux])
         metrics = {"train/loss": step_nll / step_tokens, "train/lr": lr, "train/epoch": epoch,
-                   "perf/tokens_per_s": step_tokens / (time.time() - t0), "train/grad_norm": grad_norm}
+                   "perf/tokens_per_s": step_tokens / (time.time() - t0),
+                   "perf/samples_per_s": batch_size / (time.time() - t0), "train/grad_norm": grad_norm}
         if args.model.aux_loss_coef > 0:
             metrics["train/aux_loss"] = step_aux
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")

@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh
 export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
+# DeepSpeed JIT-builds C++ ops (shm comm, CPU Adam) for this venv's torch: a cache of this checkout's
+# own, so another checkout's venv never rebuilds them under a running job
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
 PY=.venv/bin/python
 DATA=assets/data/reverse
 echo "== before training"

@@ -1,0 +1,187 @@
+"""Throughput side by side with TRL on this machine: our sft.py and dpo.py against TRL's SFTTrainer
+(packing=bfd) and DPOTrainer, same model, same data, same shapes, one process each, the two sides
+alternating round by round so that other load slows both alike.
+
+    python benchmarks/vs_trl.py --model assets/llama-10m             # TRL goes to --trl_dir, not .venv
+
+TRL is an optional benchmark dependency: it is installed with --no-deps into --trl_dir (a scratch
+folder put on PYTHONPATH for TRL's runs only; its dependencies are the project's own transformers,
+accelerate and datasets), never into the project's environment. Without network or PyPI access the
+script says so and stops.
+
+Measured: training steps after the first (start-up, data preparation and the first step excluded on
+both sides). SFT: tokens/s (all tokens of the samples trained, prompt and response); ours from
+sft.py's perf/samples_per_s x the data's mean tokens per sample, TRL's from per-step times (a
+callback) x the tokens of its packed rows. DPO: pairs/s; ours perf/pairs_per_s, TRL's from its
+per-step times. GRPO is not compared here yet.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+TRL_VERSION = "1.16.0"
+
+
+@dataclass
+class Args:
+    model: str = "assets/llama-10m"
+    """Hugging Face causal-LM directory both sides train."""
+    assets: str = "assets"
+    """Tiny assets folder (its data/reverse/ holds the SFT and preference data)."""
+    trl_dir: str = os.path.join(tempfile.gettempdir(), f"minrlhf-trl-{TRL_VERSION}")
+    """Scratch folder TRL is installed into (with --no-deps), put on PYTHONPATH for TRL's runs only."""
+    samples: int = 1024
+    """Training samples (SFT) or pairs (DPO) per run."""
+    sft_batch: int = 64
+    """SFT samples per optimizer step (ours); TRL gets as many packed rows as carry the same tokens."""
+    dpo_batch: int = 16
+    """DPO pairs per optimizer step, both sides."""
+    max_len: int = 1024
+    """Packed row length (TRL's max_length; our --pack_max_tokens)."""
+    rounds: int = 2
+    """Alternating rounds per algorithm; the best round of each side is reported."""
+
+
+TRL_SFT = r"""
+import json, sys, time
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import SFTConfig, SFTTrainer
+model_path, data_path, samples, rows, max_len, out = sys.argv[1:7]
+raw = [json.loads(line) for line in open(data_path)][: int(samples)]
+ds = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
+                         "completion": [{"role": "assistant", "content": r["response"]}]} for r in raw])
+times = []
+class Timer(TrainerCallback):
+    def on_step_end(self, *a, **k):
+        times.append(time.perf_counter())
+config = SFTConfig(output_dir=out, per_device_train_batch_size=int(rows), max_length=int(max_len), packing=True,
+                   packing_strategy="bfd", num_train_epochs=1, learning_rate=1e-5, logging_steps=10**6,
+                   save_strategy="no", report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0)
+tok = AutoTokenizer.from_pretrained(model_path)
+trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_path), args=config, train_dataset=ds,
+                     processing_class=tok, callbacks=[Timer()])
+tokens = sum(len(x) for x in trainer.train_dataset["input_ids"])
+start = time.perf_counter()
+trainer.train()
+steps = len(times)
+print(json.dumps({"tokens_per_s": tokens * (steps - 1) / steps / (times[-1] - times[0]), "steps": steps}))
+"""
+
+TRL_DPO = r"""
+import json, sys, time
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import DPOConfig, DPOTrainer
+model_path, data_path, samples, batch, max_len, out = sys.argv[1:7]
+raw = [json.loads(line) for line in open(data_path)][: int(samples)]
+ds = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
+                         "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                         "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in raw
+                        if r["chosen"] != r["rejected"]])
+times = []
+class Timer(TrainerCallback):
+    def on_step_end(self, *a, **k):
+        times.append(time.perf_counter())
+config = DPOConfig(output_dir=out, per_device_train_batch_size=int(batch), max_length=int(max_len), beta=0.1,
+                   num_train_epochs=1, learning_rate=5e-7, logging_steps=10**6, save_strategy="no", report_to=[],
+                   use_cpu=True, seed=0, dataloader_num_workers=0)
+tok = AutoTokenizer.from_pretrained(model_path)
+trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_path), args=config, train_dataset=ds,
+                     processing_class=tok, callbacks=[Timer()])
+trainer.train()
+steps = len(times)
+print(json.dumps({"pairs_per_s": int(batch) * (steps - 1) / (times[-1] - times[0]), "steps": steps}))
+"""
+
+
+def ensure_trl(trl_dir):
+    if os.path.exists(os.path.join(trl_dir, "trl", "__init__.py")):
+        return
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", trl_dir,
+                           f"trl=={TRL_VERSION}"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"error: could not install trl=={TRL_VERSION} into {trl_dir} (needs PyPI): {proc.stderr[-500:]}")
+
+
+def run(cmd, env=None):
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        sys.exit(f"error: {' '.join(cmd[:3])} failed:\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def after_first(path, key):
+    values = [m[key] for m in map(json.loads, open(path)) if key in m]
+    return sum(values[1:]) / len(values[1:])
+
+
+def mean_sft_tokens(args, data):
+    """Tokens per SFT sample as sft.py builds them (chat-templated prompt + response)."""
+    from common.data import DataArgs, format_prompt, format_response, load_tokenizer
+
+    data_args = DataArgs(dataset=data, apply_chat_template=True)
+    tok = load_tokenizer(args.model, data_args)
+    rows = [json.loads(line) for line in open(data)][: args.samples]
+    def count(text):
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    lengths = [count(format_prompt(r["prompt"], tok, data_args))
+               + count(format_response(r["prompt"], r["response"], tok, data_args)) for r in rows]
+    return sum(lengths) / len(lengths)
+
+
+def main(args: Args):
+    ensure_trl(args.trl_dir)
+    trl_env = {"PYTHONPATH": args.trl_dir, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+    data = os.path.join(args.assets, "data", "reverse")
+    sft_data, pref_data = os.path.join(data, "sft_train.jsonl"), os.path.join(data, "pref_train.jsonl")
+    per_sample = mean_sft_tokens(args, sft_data)
+    trl_rows = max(1, round(args.sft_batch * per_sample / args.max_len))  # rows carrying as many tokens
+    results = {"sft": {"ours": [], "trl": []}, "dpo": {"ours": [], "trl": []}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            metrics = os.path.join(tmp, f"sft{r}.jsonl")
+            run([sys.executable, "algos/sft.py", "--pretrain", args.model, "--dataset", sft_data,
+                 "--input_key", "prompt", "--output_key", "response", "--apply_chat_template",
+                 "--max_len", str(args.max_len), "--pack_max_tokens", str(args.max_len),
+                 "--max_samples", str(args.samples),
+                 "--train_batch_size", str(args.sft_batch), "--micro_train_batch_size", str(args.sft_batch),
+                 "--zero_stage", "0", "--save_path", os.path.join(tmp, "sft"), "--metrics_file", metrics],
+                env={"TOKENIZERS_PARALLELISM": "false"})
+            results["sft"]["ours"].append(after_first(metrics, "perf/samples_per_s") * per_sample)
+            out = run([sys.executable, "-c", TRL_SFT, args.model, sft_data, str(args.samples), str(trl_rows),
+                       str(args.max_len), os.path.join(tmp, "trl_sft")], env=trl_env)
+            results["sft"]["trl"].append(json.loads(out.strip().splitlines()[-1])["tokens_per_s"])
+
+            metrics = os.path.join(tmp, f"dpo{r}.jsonl")
+            run([sys.executable, "algos/dpo.py", "--pretrain", args.model, "--dataset", pref_data, "--input_key",
+                 "prompt", "--apply_chat_template", "--skip_bad_rows", "--max_len", str(args.max_len),
+                 "--max_samples", str(args.samples), "--train_batch_size", str(args.dpo_batch),
+                 "--micro_train_batch_size", str(args.dpo_batch), "--zero_stage", "0",
+                 "--save_path", os.path.join(tmp, "dpo"), "--metrics_file", metrics],
+                env={"TOKENIZERS_PARALLELISM": "false"})
+            results["dpo"]["ours"].append(after_first(metrics, "perf/pairs_per_s"))
+            out = run([sys.executable, "-c", TRL_DPO, args.model, pref_data, str(args.samples), str(args.dpo_batch),
+                       str(args.max_len), os.path.join(tmp, "trl_dpo")], env=trl_env)
+            results["dpo"]["trl"].append(json.loads(out.strip().splitlines()[-1])["pairs_per_s"])
+            print(f"round {r + 1}: " + json.dumps({a: {s: round(v[-1], 1) for s, v in sides.items()}
+                                                   for a, sides in results.items()}), flush=True)
+    print(f"\nmodel {args.model}, {args.samples} samples per run, best of {args.rounds} alternating rounds, CPU fp32")
+    print(f"{'algorithm':<10} {'unit':<10} {'minrlhf':>10} {'TRL ' + TRL_VERSION:>10} {'ratio':>7}")
+    for algo, unit in (("sft", "tokens/s"), ("dpo", "pairs/s")):
+        ours, trl = max(results[algo]["ours"]), max(results[algo]["trl"])
+        print(f"{algo:<10} {unit:<10} {ours:>10.1f} {trl:>10.1f} {ours / trl:>6.2f}x")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args, use_underscores=True, description=__doc__))
