@@ -186,42 +186,47 @@ def teacher(assets, tmp_path_factory):
 
 
 def test_distillation_learns(assets, teacher, tmp_path):
-    """The untrained 0.5M student, 60 steps of 32 on the teacher's task with KD + CE (--kd_coef 0.5):
-    its held-out KL to the teacher falls by far more than half (measured 5.64 -> 0.80), and it ends
-    closer to the teacher, with a lower held-out NLL and a higher next-token accuracy than the same
-    student trained with CE alone (--kd_coef 0; KL 0.86, NLL 0.93 vs 0.87, accuracy 0.726 vs 0.762).
-    Greedy exact match is only level (measured KD 0.215, CE 0.205, teacher 0.88): the trained teacher
-    is nearly one-hot on this deterministic task, so its soft targets carry little beyond the labels
-    (pure KD, --kd_coef 1, measured 0.115 vs CE 0.205), and 2 prompts of 200 are within noise, so the
-    test asserts exact match no worse than CE's by more than that."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Pure distillation (--kd_coef 1: no label term) of the untrained 0.5M student, 60 steps of 32 on the
+    reversal prompt/response data (--seed 42, one thread), from two teachers. From the trained teacher the
+    student learns the task through the teacher alone: its held-out KL(teacher‖student) and its NLL of the
+    dataset responses fall to under 0.35 of their start, its next-token accuracy rises from 0.007 to over 0.4.
+    From an untrained teacher (qwen2-0.5m, near-uniform) on the same data it moves to that teacher instead (KL
+    to under 0.3 of its start) and learns nothing of the labels (accuracy under 0.05, NLL not below 0.9 of
+    its start): what the student learns comes from the teacher, not from the responses in the data.
 
-    from common.tiny import exact_match
-
+    Measured (2-core AMD EPYC with AVX512-BF16): --seed 42 and 1-3 (data order), OMP_NUM_THREADS 1, and 2 for
+    --seed 42 (identical to every digit), and for the trained teacher also teacher-fixture seeds 1-3 in place
+    of 0 (--seed 42 and 1 each; a stand-in for another CPU's float noise in the teacher):
+      trained teacher (10 runs): KL 5.65-5.69 -> 0.83-1.11 (at most 0.196 of the start), NLL 5.74 ->
+      0.88-1.20 (at most 0.21), next-token accuracy 0.605-0.755 (this test's run: KL 1.011, accuracy 0.674);
+      untrained teacher (4 runs): KL 0.0498 -> 0.00554-0.00568 (at most 0.114), accuracy 0.000, NLL 5.754-5.767.
+    Not asserted, because they flipped between seeds or machines: KD + CE (--kd_coef 0.5) ending closer to the
+    teacher, with a lower NLL, than CE alone (--kd_coef 0; KL ratio 0.96-1.13 over 6 runs; on one machine this
+    test's run measured KL 0.80 vs 0.86, on another 0.911 vs 0.887), pure KD ending closer to the teacher
+    than CE (CE closer in 4 of 6 runs): the trained teacher is nearly one-hot on this deterministic task
+    (greedy exact match 0.79-0.995 over 4 fixture seeds), so its soft targets carry little beyond the labels;
+    and the students' greedy exact match (0.035-0.165 for KD + CE over 6 runs: 7 to 33 prompts of 200).
+    ~25 s on 2 cores."""
     data = f"{assets}/data/reverse"
-    common = ["--pretrain", f"{assets}/llama-0.5m", "--teacher_model", teacher, "--dataset", f"{data}/sft_train.jsonl",
-              "--eval_dataset", f"{data}/sft_test.jsonl", *TASK, "--max_samples", 1920,
-              "--train_batch_size", 32, "--micro_train_batch_size", 16, "--learning_rate", 3e-3]
-    first, last, accuracy = {}, {}, {}
-    tokenizer = AutoTokenizer.from_pretrained(teacher)
-    test_rows = read_jsonl(f"{data}/sft_test.jsonl")
-    for name, kd_coef in (("kd", 0.5), ("ce", 0.0)):
-        run_script("distill.py", [*common, "--kd_coef", kd_coef, "--save_path", tmp_path / name,
+    common = ["--pretrain", f"{assets}/llama-0.5m", "--dataset", f"{data}/sft_train.jsonl",
+              "--eval_dataset", f"{data}/sft_test.jsonl", *TASK, "--max_samples", 1920, "--train_batch_size", 32,
+              "--micro_train_batch_size", 16, "--learning_rate", 3e-3, "--kd_coef", 1.0, "--seed", 42]
+    first, last = {}, {}
+    for name, teacher_model in (("trained", teacher), ("untrained", f"{assets}/qwen2-0.5m")):
+        run_script("distill.py", [*common, "--teacher_model", teacher_model, "--save_path", tmp_path / name,
                                   "--metrics_file", tmp_path / f"{name}.jsonl"])
         evals = [m for m in read_jsonl(tmp_path / f"{name}.jsonl") if "eval/kd" in m]
         first[name], last[name] = evals[0], evals[-1]
-        accuracy[name] = exact_match(AutoModelForCausalLM.from_pretrained(tmp_path / name), tokenizer, test_rows)
-    accuracy["teacher"] = exact_match(AutoModelForCausalLM.from_pretrained(teacher), tokenizer, test_rows)
-    report = {name: {k: round(m[k], 4) for k in ("eval/kd", "eval/nll",
-                                                 "eval/token_accuracy")} for name, m in last.items()}
-    print(f"held-out KL(teacher‖student) at step 0: {first['kd']['eval/kd']:.4f}; after 60 steps: {report}; "
-          f"exact match: {accuracy}")
-    assert accuracy["teacher"] >= 0.7, accuracy
-    assert last["kd"]["eval/kd"] <= 0.5 * first["kd"]["eval/kd"], (first["kd"], last["kd"])
-    assert last["kd"]["eval/kd"] < last["ce"]["eval/kd"], report
-    assert last["kd"]["eval/nll"] < last["ce"]["eval/nll"], report
-    assert last["kd"]["eval/token_accuracy"] > last["ce"]["eval/token_accuracy"], report
-    assert accuracy["kd"] >= accuracy["ce"] - 0.01 and accuracy["kd"] >= 0.1, accuracy
+    report = {name: {when: {k: round(m[k], 4) for k in ("eval/kd", "eval/nll", "eval/token_accuracy")}
+                     for when, m in (("step 0", first[name]), ("step 60", last[name]))} for name in first}
+    print(f"held-out metrics of the pure-KD student: {report}")
+    trained, untrained = (first["trained"], last["trained"]), (first["untrained"], last["untrained"])
+    assert trained[1]["eval/kd"] <= 0.35 * trained[0]["eval/kd"], report
+    assert trained[1]["eval/nll"] <= 0.35 * trained[0]["eval/nll"], report
+    assert trained[0]["eval/token_accuracy"] < 0.05 and trained[1]["eval/token_accuracy"] > 0.4, report
+    assert untrained[1]["eval/kd"] <= 0.3 * untrained[0]["eval/kd"], report
+    assert untrained[1]["eval/token_accuracy"] < 0.05, report
+    assert untrained[1]["eval/nll"] >= 0.9 * untrained[0]["eval/nll"], report
 
 
 def test_on_policy_with_vllm(assets, teacher, tmp_path):

@@ -175,14 +175,27 @@ def test_reward_index_is_last_non_pad_token():
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_pairwise_rm_learns_and_exports(assets, sft_model, tmp_path, zero_stage):
+    """3 epochs of the reversal preference pairs (186 steps of 32, lr 5e-4, --seed 42, one thread per rank):
+    the first-step loss is that of an untrained head (> 0.6; log 2 = 0.693), the held-out accuracy ends at
+    >= 0.85 and the mean held-out margin r_chosen - r_rejected above 2.
+
+    Measured (2-core AMD EPYC with AVX512-BF16; 22 runs): --seed 42 and 1-7 at ZeRO-2 and ZeRO-3 from the
+    test's SFT model, and --seed 42, 1, 2 at ZeRO-2 from SFT models trained with --seed 1 and 2 (a start point
+    perturbed as another CPU's float results would perturb it); OMP_NUM_THREADS 1, and 2 for two of them
+    (identical to every digit, as were ZeRO-2 and ZeRO-3 to 1e-3): accuracy 0.914-0.985 (this test's run: 0.924),
+    margin 3.69-6.17, first-step loss 0.677-0.705. The bars sit below those minima: 0.85 is 13 of the 198
+    held-out pairs below the lowest accuracy. At the former lr 2e-3 the same grid (28 runs, before CPU attention
+    became varlen_sdpa) spread 0.71-0.975, margin 0.91-10.1: too high a rate for this 0.5M model, whose outcome
+    then hung on float noise (this test's run at ZeRO-2 / ZeRO-3: 0.950 / 0.955 on one machine, 0.884 / 0.864
+    on this one, 0.919 / 0.859 here after the attention change). ~15-30 s per run on 2 cores."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     data = f"{assets}/data/reverse"
     out, metrics_file = tmp_path / "rm", tmp_path / "metrics.jsonl"
     proc = run_script("rm.py", [
         "--pretrain", sft_model, "--dataset", f"{data}/pref_train.jsonl", "--eval_dataset", f"{data}/pref_test.jsonl",
-        *PAIR, "--train_batch_size", 32, "--micro_train_batch_size", 16, "--max_epochs", 3, "--learning_rate", 2e-3,
-        "--zero_stage", zero_stage, "--skip_bad_rows", "--save_path", out, "--metrics_file", metrics_file,
+        *PAIR, "--train_batch_size", 32, "--micro_train_batch_size", 16, "--max_epochs", 3, "--learning_rate", 5e-4,
+        "--seed", 42, "--zero_stage", zero_stage, "--skip_bad_rows", "--save_path", out, "--metrics_file", metrics_file,
     ], nproc=2)
     # the reverse data has palindromes, whose wrong answer (a rotation) equals the right one: counted skips
     assert ("pref_train.jsonl: skipped 5 bad row(s) of 2000; first: row 66: fields 'chosen' and 'rejected' are "
@@ -190,10 +203,8 @@ def test_pairwise_rm_learns_and_exports(assets, sft_model, tmp_path, zero_stage)
     metrics = read_jsonl(metrics_file)
     assert len([m for m in metrics if "train/loss" in m]) == 3 * (1995 // 32)
     final = metrics[-1]
-    # measured: held-out accuracy 0.950 (ZeRO-2) / 0.955 (ZeRO-3) after 3 epochs, from 0.5 at step 1
-    # (one process, seeds 1-3: 0.94-0.97); ~25-30 s per run on 2 cores
-    assert metrics[0]["train/loss"] > 0.6 and final["eval/accuracy"] >= 0.9, (metrics[0], final)
-    assert final["eval/margin"] > 1.0
+    assert metrics[0]["train/loss"] > 0.6 and final["eval/accuracy"] >= 0.85, (metrics[0], final)
+    assert final["eval/margin"] > 2.0, final
 
     # the export: AutoModelForSequenceClassification, the trainer's rewards, mean / std in the config
     config = AutoConfig.from_pretrained(out)
@@ -251,6 +262,17 @@ def test_margin_loss_and_normalisation_one_step(assets, rm_start, tmp_path):
 # Process reward model: step accuracy rises; the export is a plain causal LM read at the tags
 # ----------------------------------------------------------------------------------------------
 def test_prm_learns_and_exports(assets, tmp_path):
+    """The untrained 0.5M model as a PRM, 3 epochs (279 steps of 32, lr 1e-3, --seed 42, one thread per rank),
+    evaluated every 31 steps: held-out step accuracy near the majority label (0.537 of the held-out steps) after
+    31 steps (< 0.7), >= 0.75 at the end and at least 0.15 above where it started; the export, read at the
+    tags as a plain causal LM, gives the trainer's last accuracy and loss.
+
+    Measured (2-core AMD EPYC with AVX512-BF16): --seed 42 and 1-7, OMP_NUM_THREADS 1, and 2 for --seed 42
+    and 3 (identical to every digit): after 31 steps 0.526-0.624, at the end 0.834-1.000 (this test's run:
+    0.624 -> 0.925), rise 0.24-0.45; the bars sit below the lowest end and rise with 0.08 to spare. At the
+    former lr 2e-3, seeds 42 and 1-4 ended at 0.810-0.940 (and 0.867-0.974 before CPU attention became
+    varlen_sdpa: float noise decides how far the 0.5M model gets), with 0.649 after 31 steps at one seed.
+    ~20-30 s on 2 cores."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     data = f"{assets}/data/count"
@@ -258,13 +280,12 @@ def test_prm_learns_and_exports(assets, tmp_path):
     run_script("rm.py", [
         "--pretrain", f"{assets}/llama-0.5m", "--dataset", f"{data}/prm_train.jsonl", "--eval_dataset",
         f"{data}/prm_test.jsonl", *PRM, "--train_batch_size", 32, "--micro_train_batch_size", 16, "--max_epochs", 3,
-        "--learning_rate", 2e-3, "--eval_steps", 31, "--save_path", out, "--metrics_file", metrics_file,
+        "--learning_rate", 1e-3, "--seed", 42, "--eval_steps", 31, "--save_path", out, "--metrics_file", metrics_file,
     ], nproc=2)
     evals = [m for m in read_jsonl(metrics_file) if "eval/step_accuracy" in m]
     accuracy = [round(m["eval/step_accuracy"], 3) for m in evals]
-    # measured: 0.537 after 31 steps (the majority label is 0.537 of the held-out steps), 0.98 after 279
-    # (0.96 before the LM head was restricted to the tag columns: float noise); ~30 s on 2 cores
-    assert len(evals) == 9 and accuracy[0] < 0.65 and accuracy[-1] >= 0.9, accuracy
+    assert len(evals) == 9 and accuracy[0] < 0.7 and accuracy[-1] >= 0.75, accuracy
+    assert accuracy[-1] - accuracy[0] >= 0.15, accuracy
 
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)
