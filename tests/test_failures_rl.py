@@ -16,6 +16,10 @@ import pytest
 from conftest import ROOT, read_jsonl
 from test_grpo import grpo_args
 
+# 400,000 sequences of 128 tokens (--max_model_len 128 in these runs) of the 0.4M model: a 107 GiB KV cache,
+# more than any machine of this kind has, whatever its NUMA node reports
+IMPOSSIBLE_KV = ["--vllm_max_num_seqs", 400_000]
+
 
 def tagged_env():
     """An environment whose tag every process of the run inherits (Ray's, vLLM's, torchrun's)."""
@@ -59,11 +63,11 @@ def error_lines(proc):
 
 
 def test_grpo_engine_that_cannot_start(assets, tmp_path):
-    """1 % of the NUMA node is less than a vLLM engine's own overhead on this kind of machine (at most
-    24 GiB a node), so its KV cache comes out negative: the driver stops as soon as the engine actor
-    dies (before any rendezvous), naming it and vLLM's own first error line."""
+    """A KV-cache budget no machine of this kind holds (IMPOSSIBLE_KV: 107 GiB on 24 GiB machines): the
+    driver stops as soon as the engine actor dies (before any rendezvous), naming it and vLLM's own
+    first error line."""
     args = grpo_args(assets, f"{assets}/llama-0.5m", tmp_path, "--rollout_batch_size", 16, "--train_batch_size", 64,
-                     "--max_steps", 1, "--vllm_gpu_memory_utilization", 0.01)
+                     "--max_steps", 1, *IMPOSSIBLE_KV)
     proc, seconds, tag = run_tagged("grpo.py", args)
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = error_lines(proc)
@@ -143,19 +147,19 @@ def test_generate_model_vllm_rejects(assets, head_dim_16_model, tmp_path):
 
 
 def test_distill_on_policy_engine_that_cannot_start(assets, tmp_path):
-    """Rank 0's on-policy engine cannot start (1 % of the node: a negative KV cache, as in the grpo
-    test): both torchrun ranks end, and one `error:` line carries vLLM's own reason."""
+    """Rank 0's on-policy engine cannot start (IMPOSSIBLE_KV, as in the grpo test): both torchrun ranks
+    end, and one `error:` line carries vLLM's own reason."""
     data = f"{assets}/data/reverse"
     proc, seconds, tag = run_tagged("distill.py", [
         "--pretrain", f"{assets}/llama-0.5m", "--teacher_model", f"{assets}/llama-0.5m", "--dataset",
         f"{data}/sft_train.jsonl", "--input_key", "prompt", "--output_key", "response", "--apply_chat_template",
         "--max_len", 64, "--max_samples", 32, "--train_batch_size", 16, "--micro_train_batch_size", 8, "--lmbda", 1.0,
-        "--generate_max_len", 16, "--max_model_len", 128, "--vllm_gpu_memory_utilization", 0.01,
+        "--generate_max_len", 16, "--max_model_len", 128, *IMPOSSIBLE_KV,
         "--save_path", tmp_path / "out"], nproc=2)
     assert proc.returncode != 0, proc.stderr[-3000:]
     errors = error_lines(proc)
     print(f"{seconds:.1f} s: {errors}")
     assert len(errors) == 1 and errors[0].startswith("error: vLLM engine for "), errors
-    assert "failed to start: ValueError: Available memory on node" in errors[0], errors
+    assert "failed to start (KV cache 110000 MiB" in errors[0] and "ValueError: Available memory on node" in errors[0]
     assert seconds < 120, seconds
     assert_none_left(tag)

@@ -128,10 +128,11 @@ def test_max_model_len_checked_against_the_model(tiny):
 
 def test_engine_that_cannot_start_names_the_root_cause(tiny):
     """vLLM's engine processes print why they failed; the caller only gets "See root cause above".
-    An impossible memory share (1 % of the node is less than the engine's own overhead) must fail with
-    the engine process's own first error line."""
-    with pytest.raises(EngineError, match=r"vLLM engine for .* failed to start: ValueError: Available memory on node"):
-        create_vllm_engine(tiny[0], EngineArgs(vllm_gpu_memory_utilization=0.01, max_model_len=128))
+    A KV-cache budget no machine of this kind holds (100,000 sequences of 512 tokens: 107 GiB, on
+    24 GiB machines) must fail with the budget and the engine process's own first error line."""
+    with pytest.raises(EngineError, match=r"failed to start \(KV cache 110000 MiB per worker for --vllm_max_num_seqs "
+                                          r"100000 x --max_model_len 512 tokens.*\): ValueError: Available memory"):
+        create_vllm_engine(tiny[0], EngineArgs(vllm_max_num_seqs=100_000, max_model_len=512))
 
 
 def hf_logprobs(model, sequences):
