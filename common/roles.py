@@ -67,9 +67,14 @@ class Roles:
             actor_id = m.group(1) if m else None
         return self._by_actor_id.get(actor_id, "an actor")
 
-    def _failure(self, error, starting=False):
-        name = self._name_of(error)
-        return RoleFailed(f"{name} {'failed to start' if starting else 'failed'}: {root_cause(error)}")
+    def _raise_failures(self, done, starting=False):
+        """RoleFailed for the first of these finished refs that holds an error."""
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as e:
+                state = "failed to start" if starting else "failed"
+                raise RoleFailed(f"{self._name_of(e)} {state}: {root_cause(e)}") from None
 
     def ready(self, timeout_s):
         """Wait until every actor's constructor has returned (models loaded, engines started)."""
@@ -79,11 +84,7 @@ class Roles:
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending),
                                      timeout=min(self.poll_s, max(deadline - time.time(), 0)))
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayError as e:
-                    raise self._failure(e, starting=True) from None
+            self._raise_failures(done, starting=True)
             if pending and time.time() >= deadline:
                 late = [name for name, ref in pings.items() if ref in pending]
                 raise RoleFailed(f"{', '.join(late)} did not start within {timeout_s:.0f} s")
@@ -94,11 +95,7 @@ class Roles:
         deadline = None if timeout_s is None else time.time() + timeout_s
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_s)
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayError as e:
-                    raise self._failure(e) from None
+            self._raise_failures(done)
             if pending:
                 self.check_alive()
                 if deadline is not None and time.time() > deadline:
@@ -111,8 +108,4 @@ class Roles:
         if not pings:
             return
         done, _ = ray.wait(pings, num_returns=len(pings), timeout=self.poll_s)
-        for ref in done:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError as e:
-                raise self._failure(e) from None
+        self._raise_failures(done)
