@@ -1,0 +1,261 @@
+"""Ring attention (context parallelism, OpenRLHF's --ring_attn_size / --ring_head_stride): the
+ranks of a ring share one packed row, each keeps a contiguous slice of its tokens, and attention
+all-gathers keys / values over the ring (ring-flash-attn's llama3 varlen algorithm).
+
+- The algorithm is ring-flash-attn 0.1.8's `llama3_flash_attn_varlen_func`, called from an attention
+  implementation registered with transformers under NAME (no "flash" in it: transformers treats any
+  such name as a flash-attention build). On CUDA it runs over flash-attn's varlen kernels. On CPU the
+  same library code runs over common.varlen_attention's kernels, wrapped in flash-attn's private
+  `_flash_attn_varlen_forward/_backward` contract and shown to ring-flash-attn only while it imports:
+  transformers never sees a fake flash_attn.
+- A ring is --ring_attn_size consecutive ranks; the data-parallel size is world / ring size, and the
+  ranks of a ring get the same micro-batches. Each micro-batch of a ring is one packed row
+  (`collate(..., one_row=True)`); `ring_token_logps` pads it to a multiple of the ring size, forwards
+  this rank's slice with its global position ids (next-token targets taken before the split) and
+  all-gathers the per-token log-probs over the ring with an autograd all-gather, so it returns what
+  `common.packing.token_logps` returns for the whole row, identical on every rank of the ring.
+- Per-sample boundaries reach the attention as a model-call keyword (`ring_params`), not as module
+  state. A call without it (a reference model's cache pass, say) is plain per-sample attention.
+- Batch arithmetic: DeepSpeed sees every rank as data-parallel, so it gets `train_batch_size x ring
+  size` (`ring_deepspeed_config`) with accumulation from the data-parallel size. A script's loss,
+  normalised by a token count all-reduced over the whole world (ring size x the true count), needs no
+  change: the ring's gather backward sums ring size equal copies of each gradient, which that count
+  cancels; logged ratios carry the factor on both sides.
+"""
+
+import dataclasses
+import sys
+import types
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from common.varlen_attention import cu_seqlens_from_position_ids, varlen_attention_forward, varlen_backward
+from common.varlen_attention import varlen_forward
+
+NAME = "ring_attention"
+
+
+@dataclass
+class RingArgs:
+    ring_attn_size: int = 1
+    """Ranks per attention ring: each packed row is split over this many consecutive ranks (1: no ring)."""
+    ring_head_stride: int = 1
+    """KV heads all-gathered per step inside a ring (must divide the model's KV head count)."""
+
+
+def ring_deepspeed_config(train, world_size, ring):
+    """common.engine.deepspeed_config for rings: DeepSpeed counts every rank as data-parallel, so it gets
+    --train_batch_size x ring size, and the accumulation steps come from the data-parallel size."""
+    from common.engine import deepspeed_config
+
+    size = ring.size if ring else 1
+    return deepspeed_config(dataclasses.replace(train, train_batch_size=train.train_batch_size * size), world_size)
+
+
+def validate_ring_args(ring: RingArgs, world_size, packing_samples=True):
+    """Checks that need no model: raise ValueError naming the flag."""
+    if ring.ring_attn_size < 1 or world_size % ring.ring_attn_size:
+        raise ValueError(f"--ring_attn_size {ring.ring_attn_size} must divide the world size {world_size}")
+    if ring.ring_head_stride < 1:
+        raise ValueError(f"--ring_head_stride must be >= 1, got {ring.ring_head_stride}")
+    if ring.ring_attn_size > 1 and not packing_samples:
+        raise ValueError("--ring_attn_size > 1 splits one packed row per micro-batch: drop --no_packing_samples")
+
+
+# ----------------------------------------------------------------------------------------------
+# ring-flash-attn over flash-attn's kernels (CUDA) or common.varlen_attention's (CPU)
+# ----------------------------------------------------------------------------------------------
+def _unsupported(dropout_p, window_left, window_right, softcap, alibi_slopes):
+    if dropout_p or (window_left, window_right) != (-1, -1) or softcap or alibi_slopes is not None:
+        raise NotImplementedError("the CPU ring kernel has no dropout, sliding window, softcap or ALiBi")
+
+
+def _cpu_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                        causal, window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                        return_softmax=False, block_table=None, leftpad_k=None, seqused_k=None, zero_tensors=False):
+    """flash-attn 2.8's `_flash_attn_varlen_forward` contract over varlen_forward: (out, lse, None, None)."""
+    _unsupported(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    out, lse = varlen_forward(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), softmax_scale, causal)
+    return out, lse, None, None
+
+
+def _cpu_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left=-1, window_size_right=-1,
+                         softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None, zero_tensors=False):
+    """flash-attn 2.8's `_flash_attn_varlen_backward` contract: writes the gradients into dq, dk, dv (views
+    into ring-flash-attn's buffers)."""
+    _unsupported(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    grads = varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(),
+                            softmax_scale, causal)
+    for buffer, grad in zip((dq, dk, dv), grads):
+        buffer.copy_(grad)
+
+
+def _no_dense_kernel(*args, **kwargs):
+    raise NotImplementedError("only the varlen kernels exist on CPU (ring-flash-attn's llama3 varlen path)")
+
+
+@cache
+def import_ring_flash_attn():
+    """ring_flash_attn's `llama3_flash_attn_varlen_func` and `llama3_flash_attn_prepare_cu_seqlens`, imported
+    over the real flash_attn when it imports, else over the CPU kernels (in sys.modules only during the import)."""
+    import transformers.modeling_flash_attention_utils as mfa
+    import transformers.modeling_utils  # noqa: F401  (transformers probes flash_attn before the stand-in exists)
+
+    if not hasattr(mfa, "is_flash_attn_greater_or_equal_2_10"):  # ring-flash-attn 0.1.8 imports it from there
+        from transformers import utils
+
+        mfa.is_flash_attn_greater_or_equal_2_10 = getattr(utils, "is_flash_attn_greater_or_equal_2_10", lambda: True)
+    try:
+        import flash_attn  # noqa: F401
+
+        stand_in = None
+    except ImportError:
+        package, interface = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.flash_attn_interface")
+        interface._flash_attn_varlen_forward, interface._flash_attn_varlen_backward = (_cpu_varlen_forward,
+                                                                                       _cpu_varlen_backward)
+        interface._flash_attn_forward = interface._flash_attn_backward = _no_dense_kernel
+        package.flash_attn_interface = interface
+        stand_in = {"flash_attn": package, "flash_attn.flash_attn_interface": interface}
+        sys.modules.update(stand_in)
+    try:
+        from ring_flash_attn import llama3_flash_attn_prepare_cu_seqlens, llama3_flash_attn_varlen_func
+    finally:
+        for name in stand_in or ():
+            del sys.modules[name]
+    return llama3_flash_attn_varlen_func, llama3_flash_attn_prepare_cu_seqlens
+
+
+# ----------------------------------------------------------------------------------------------
+# Rings of ranks and the model check
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Ring:
+    size: int
+    """Ranks in this ring."""
+    rank: int
+    """This rank's place in its ring (which slice of each row it keeps)."""
+    group: object
+    """The ring's process group."""
+    head_stride: int
+    """KV heads gathered per step."""
+    dp_rank: int
+    """Index of this ring among the data-parallel replicas."""
+    dp_world: int
+    """Number of rings (data-parallel size)."""
+
+
+def setup_ring(ring: RingArgs):
+    """The rings of consecutive ranks (every rank creates every group, in the same order); None with
+    --ring_attn_size 1."""
+    if ring.ring_attn_size == 1:
+        return None
+    rank, world, n = dist.get_rank(), dist.get_world_size(), ring.ring_attn_size
+    mine = None
+    for first in range(0, world, n):
+        group = dist.new_group(list(range(first, first + n)))
+        if first <= rank < first + n:
+            mine = group
+    return Ring(size=n, rank=rank % n, group=mine, head_stride=ring.ring_head_stride, dp_rank=rank // n,
+                dp_world=world // n)
+
+
+def check_ring_model(model, ring):
+    """Raise ValueError (naming the flags) for a model the ring cannot run exactly."""
+    if ring is None:
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kind = base.config.model_type
+    if base.config._attn_implementation != NAME:
+        raise ValueError(f"--ring_attn_size needs the model loaded with attn_implementation={NAME!r}, "
+                         f"not {base.config._attn_implementation!r} (drop --attn_implementation)")
+    if not type(base).is_backend_compatible():
+        raise ValueError(f"--ring_attn_size: {kind} models do not route their attention through transformers' "
+                         "attention registry, so the ring cannot run them")
+    if not base.supports_context_parallel:
+        raise ValueError(f"--ring_attn_size: {kind} uses sliding-window, chunked or recurrent layers, which a ring "
+                         "of full causal attention cannot express")
+    config = base.config.get_text_config()
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if kv_heads % ring.head_stride:
+        raise ValueError(f"--ring_head_stride {ring.head_stride} must divide the model's {kv_heads} KV heads")
+    if getattr(config, "attention_dropout", 0.0):
+        raise ValueError(f"--ring_attn_size: the ring kernel has no attention dropout ({kind} sets "
+                         f"attention_dropout={config.attention_dropout})")
+
+
+# ----------------------------------------------------------------------------------------------
+# The attention implementation and the log-prob forward
+# ----------------------------------------------------------------------------------------------
+def ring_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None,
+                           sliding_window=None, softcap=None, ring_params=None, **kwargs):
+    """transformers attention function. With `ring_params` (this rank's slice of a packed row, batch 1):
+    query (1, heads, local len, dim) -> (1, local len, heads, dim) through the ring. Without: the whole
+    rows are here, and each sample attends within itself (flash-attn's varlen path on CUDA)."""
+    if ring_params is None:
+        if query.is_cuda:
+            from transformers.integrations.flash_attention import flash_attention_forward
+
+            return flash_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                           dropout=dropout, position_ids=position_ids, sliding_window=sliding_window,
+                                           softcap=softcap, **kwargs)
+        return varlen_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                        position_ids=position_ids, sliding_window=sliding_window, softcap=softcap,
+                                        **kwargs)
+    if query.shape[0] != 1 or attention_mask is not None or sliding_window or softcap or (dropout and module.training):
+        raise ValueError("ring attention takes one packed row, full causal attention, no mask, softcap or dropout")
+    ring_fn, _ = import_ring_flash_attn()
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (len, heads, dim)
+    p = ring_params
+    out = ring_fn(q, k, v, p["cu_seqlens_q"], p["cu_seqlens_k"], p["max_seqlen_q"], p["max_seqlen_k"],
+                  p["heads_k_stride"], p["local_k_slice"], dropout_p=0.0, softmax_scale=scaling, causal=True,
+                  group=p["group"])
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(NAME, ring_attention_forward)
+
+
+def _gather(x, ring):
+    """All-gather a per-token tensor (local len,) over the ring into (ring size x local len,); the backward
+    sums each slice's gradient over the ring. (Do not .wait() the result: that drops requires_grad.)"""
+    from torch.distributed._functional_collectives import all_gather_single_autograd
+
+    return all_gather_single_autograd(x.contiguous(), 0, ring.group)
+
+
+def ring_token_logps(model, batch, ring, return_argmax=False):
+    """`common.packing.token_logps` for a one-row batch split over `ring`: the same (logps, outputs[, argmax])
+    for the whole row on every rank of the ring (`outputs` are this rank's slice's model outputs)."""
+    input_ids, position_ids = batch["input_ids"], batch["position_ids"]
+    if input_ids.shape[0] != 1 or batch.get("attention_mask") is not None:
+        raise ValueError("--ring_attn_size: each micro-batch must be one packed row (collate(..., one_row=True))")
+    width = input_ids.shape[1]
+    pad = -width % ring.size
+    if pad:  # the pad tail is one more sample, its positions restarting at 0
+        input_ids = F.pad(input_ids, (0, pad))
+        position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device)[None]], 1)
+    local = input_ids.shape[1] // ring.size
+    lo, hi = ring.rank * local, (ring.rank + 1) * local
+    _, prepare = import_ring_flash_attn()
+    cu_seqlens = torch.tensor(cu_seqlens_from_position_ids(position_ids), dtype=torch.int32, device=input_ids.device)
+    cu_q, cu_k, max_q, max_k, k_slice = prepare(cu_seqlens, True, ring.rank, ring.size)
+    params = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q, "max_seqlen_k": max_k,
+              "local_k_slice": k_slice, "heads_k_stride": ring.head_stride, "group": ring.group}
+    outputs = model(input_ids=input_ids[:, lo:hi], position_ids=position_ids[:, lo:hi], attention_mask=None,
+                    use_cache=False, ring_params=params)
+    logits = outputs.logits[0].float()
+    targets = F.pad(input_ids[0], (0, 1))[lo + 1 : hi + 1]  # next tokens, taken from the whole row
+    next_logps = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+    full = _gather(next_logps, ring)[None, : width - 1]  # full[:, t] = log p(token t + 1 | tokens <= t)
+    starts = batch["position_ids"] == 0
+    logps = F.pad(full, (1, 0)).masked_fill(starts, 0.0)
+    if return_argmax:
+        hits = _gather((logits.argmax(-1) == targets).float(), ring).detach()[None, : width - 1]
+        return logps, outputs, F.pad(hits, (1, 0)).bool() & ~starts
+    return logps, outputs

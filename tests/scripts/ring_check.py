@@ -1,0 +1,171 @@
+"""Driver for tests/test_ring_attention.py, run under `torchrun --nproc_per_node 2` (gloo): a ring of the two
+ranks against one process with full attention, written as max differences to a JSON file by rank 0.
+
+    ring_check.py model  OUT MODEL_DIR...   per-token log-probs, per-sample sums, loss and gradients of packed
+                                            rows (24 tokens, and 25: one pad token), --ring_head_stride 1 and 2,
+                                            plus the negative control (the same split, no K/V exchange)
+    ring_check.py step   OUT MODEL_DIR      one SGD step under DeepSpeed ZeRO-2 and ZeRO-3 with a ring of 2,
+                                            against the same step taken by one process
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from common.engine import ModelArgs, TrainArgs, finish, init_distributed, load_causal_lm  # noqa: E402
+from common.packing import collate, per_sample_sum, token_logps  # noqa: E402
+from common.ring_attention import (  # noqa: E402
+    NAME, RingArgs, check_ring_model, ring_deepspeed_config, ring_token_logps, setup_ring,
+)
+
+# a 24-token row whose second sample crosses the ranks' boundary (12); 25 tokens need one pad token
+LENGTHS = {24: [5, 10, 7, 2], 25: [5, 10, 7, 3]}
+
+
+def packed_row(total, seed=0):
+    g = torch.Generator().manual_seed(seed + total)
+    samples = []
+    for n in LENGTHS[total]:
+        ids = torch.randint(3, 250, (n,), generator=g).tolist()
+        samples.append({"input_ids": ids, "loss_mask": [0] * (n // 3) + [1] * (n - n // 3)})
+    return collate(samples, 0, packing=True, one_row=True)
+
+
+def load(path, impl):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=impl, dtype=torch.float32)
+    model.config.use_cache = False
+    return model
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def compare_model(path, ring, total, exchange=True):
+    """Max differences between the ring (or, exchange=False, the split without any K/V exchange) and one
+    process's token_logps on one packed row: log-probs, per-sample sums, loss (relative), grads (relative)."""
+    batch = packed_row(total)
+    full_model = load(path, "sdpa")  # transformers' own sdpa: independent of the kernels under test
+    want, _ = token_logps(full_model, batch)
+    want_loss = -(want * batch["loss_mask"]).sum()
+    want_loss.backward()
+    model = load(path, NAME)
+    check_ring_model(model, ring)
+    call = model if exchange else (lambda **kw: model(**{k: v for k, v in kw.items() if k != "ring_params"}))
+    calls = count_kernel_calls()
+    got, _ = ring_token_logps(call, batch, ring)
+    calls = count_kernel_calls() - calls
+    loss = -(got * batch["loss_mask"]).sum()
+    loss.backward()
+    grads = {}
+    for (name, p), (_, q) in zip(model.named_parameters(), full_model.named_parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g, group=ring.group)  # each rank holds its slice's share, ring size times over
+        grads[name] = rel(g / ring.size, q.grad)
+    return {
+        "logps": (got - want).abs().max().item(),
+        "sample_sums": (per_sample_sum(got * batch["loss_mask"], batch)
+                        - per_sample_sum(want * batch["loss_mask"], batch)).abs().max().item(),
+        "loss_rel": abs(loss.item() - want_loss.item()) / abs(want_loss.item()),
+        "grads_rel": max(grads.values()),
+        "same_on_ring": float(_spread(got.detach(), ring)),
+        "kernel_calls": calls,
+    }
+
+
+def count_kernel_calls(_count=[0]):
+    """Varlen kernel calls so far (ring-flash-attn's llama3 module calls it once per group of --ring_head_stride
+    KV heads per layer): the first call puts a counter around the function that module imported."""
+    from common.ring_attention import import_ring_flash_attn
+
+    import_ring_flash_attn()  # (the module imports only through it, on CPU)
+    llama3 = sys.modules["ring_flash_attn.llama3_flash_attn_varlen"]
+    if not hasattr(llama3._flash_attn_varlen_forward, "counted"):
+        kernel = llama3._flash_attn_varlen_forward
+
+        def counted(*args, **kwargs):
+            _count[0] += 1
+            return kernel(*args, **kwargs)
+
+        counted.counted = True  # (ring-flash-attn fills the arguments by name; the kernel's defaults do the rest)
+        llama3._flash_attn_varlen_forward = counted
+    return _count[0]
+
+
+def _spread(x, ring):
+    """Largest difference between the ring's ranks' copies of x."""
+    lo, hi = x.clone(), x.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=ring.group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=ring.group)
+    return (hi - lo).abs().max().item()
+
+
+def model_checks(paths):
+    out = {}
+    for path in paths:
+        arch = os.path.basename(path)
+        for stride in (1, 2):
+            ring = setup_ring(RingArgs(ring_attn_size=2, ring_head_stride=stride))
+            for total in (24, 25):
+                out[f"{arch}/stride{stride}/T{total}"] = compare_model(path, ring, total)
+        out[f"{arch}/no_kv_exchange"] = compare_model(path, ring, 24, exchange=False)
+    return out
+
+
+def step_checks(path):
+    """One SGD step (lr 1, no clipping) with sft.py's loss normalisation: ring of 2 under ZeRO-2 / ZeRO-3
+    against plain torch on one process; max parameter difference and the largest parameter change."""
+    import deepspeed
+
+    from common.engine import gathered_state_dict
+
+    batch = packed_row(25)
+    ref = load(path, "sdpa")
+    logps, _ = token_logps(ref, batch)
+    tokens = batch["loss_mask"].sum()
+    (-(logps * batch["loss_mask"]).sum() / tokens).backward()
+    with torch.no_grad():
+        want = {n: p - 1.0 * p.grad for n, p in ref.named_parameters()}
+    ring = setup_ring(RingArgs(ring_attn_size=2, ring_head_stride=1))
+    world, out = dist.get_world_size(), {}
+    for stage in (2, 3):
+        train = TrainArgs(train_batch_size=1, micro_train_batch_size=1, zero_stage=stage, max_norm=0.0)
+        ds_config = ring_deepspeed_config(train, world, ring)
+        model = load_causal_lm(ModelArgs(pretrain=path, attn_implementation=NAME), ds_config)
+        check_ring_model(model, ring)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        gas = ds_config["gradient_accumulation_steps"]
+        step_tokens = batch["loss_mask"].sum().clone()
+        dist.all_reduce(step_tokens)  # over the whole world: ring size x the row's loss tokens
+        got, _ = ring_token_logps(engine, batch, ring)
+        engine.backward(-(got * batch["loss_mask"]).sum() * (gas * world) / step_tokens)
+        engine.step()
+        state = gathered_state_dict(engine)
+        if dist.get_rank() == 0:
+            out[f"zero{stage}"] = {
+                "param_diff": max((state[n].float() - w).abs().max().item() for n, w in want.items()),
+                "largest_change": max((w - p).abs().max().item() for (n, w), p in zip(want.items(), ref.parameters())),
+                "ds_train_batch_size": ds_config["train_batch_size"], "gas": gas,
+            }
+        dist.barrier()
+    return out
+
+
+if __name__ == "__main__":
+    mode, out_file, *paths = sys.argv[1:]
+    init_distributed()
+    torch.manual_seed(0)
+    result = model_checks(paths) if mode == "model" else step_checks(paths[0])
+    result["flash_attn_imported"] = "flash_attn" in sys.modules
+    if dist.get_rank() == 0:
+        with open(out_file, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()
+    finish()

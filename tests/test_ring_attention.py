@@ -1,0 +1,123 @@
+"""common/ring_attention.py: a ring of 2 gloo ranks (torchrun, ring-flash-attn's llama3 varlen algorithm over
+common.varlen_attention's kernels) against one process with transformers' sdpa on the same packed rows:
+per-token log-probs, per-sample sums, loss and gradients on Llama and Qwen2 (4 query / 2 KV heads),
+--ring_head_stride 1 and 2, with and without a pad token; a negative control without K/V exchange that
+fails the same bars; one DeepSpeed ZeRO-2 / ZeRO-3 SGD step against one process; and the argument and
+model checks."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common.ring_attention import NAME, RingArgs, check_ring_model, import_ring_flash_attn, validate_ring_args
+from conftest import ROOT
+
+LAYERS, KV_HEADS = 2, 2
+BARS = {"logps": 1e-5, "sample_sums": 1e-4, "loss_rel": 1e-5, "grads_rel": 1e-5}
+
+
+def tiny_config(arch, **extra):
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    return cls(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
+               num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=32, max_position_embeddings=256,
+               tie_word_embeddings=False, **extra)
+
+
+@pytest.fixture(scope="module")
+def gqa_models(tmp_path_factory):
+    """Random-init tiny Llama and Qwen2 with grouped queries (4 query heads over 2 KV heads)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("ring_models")
+    for arch in ("llama", "qwen2"):
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(tiny_config(arch)).save_pretrained(out / arch)
+    return {arch: str(out / arch) for arch in ("llama", "qwen2")}
+
+
+def run_check(mode, out, paths):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "tests", "scripts", "ring_check.py"), mode, str(out), *paths]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+def test_ring_of_two_equals_full_attention(gqa_models, tmp_path):
+    result = run_check("model", tmp_path / "model.json", [gqa_models["llama"], gqa_models["qwen2"]])
+    print(json.dumps(result, indent=1))
+    assert result.pop("flash_attn_imported") is False  # the CPU kernels were shown to ring-flash-attn only
+    for arch in ("llama", "qwen2"):
+        for stride in (1, 2):
+            for total in (24, 25):  # 25 tokens: the row gets one pad token to split evenly
+                got = result[f"{arch}/stride{stride}/T{total}"]
+                for key, bar in BARS.items():
+                    assert got[key] <= bar, (arch, stride, total, key, got[key])
+                assert got["same_on_ring"] == 0.0  # both ranks of the ring hold the same row of log-probs
+                assert got["kernel_calls"] == LAYERS * KV_HEADS // stride  # one call per group of KV heads
+        control = result[f"{arch}/no_kv_exchange"]  # each rank attends only within its own slice
+        assert control["kernel_calls"] == 0
+        assert control["logps"] > 1e-2 and control["grads_rel"] > 1e-2 and control["loss_rel"] > 1e-4, control
+
+
+def test_one_deepspeed_step_with_a_ring_equals_one_process(gqa_models, tmp_path):
+    """SGD, lr 1, no clipping (Adam's first step is about sign(grad) and amplifies noise on tiny gradients)."""
+    result = run_check("step", tmp_path / "step.json", [gqa_models["qwen2"]])
+    print(json.dumps(result, indent=1))
+    for stage in (2, 3):
+        got = result[f"zero{stage}"]
+        assert got["param_diff"] <= 1e-6 and got["largest_change"] > 0.1, got
+        assert got["ds_train_batch_size"] == 2 and got["gas"] == 1  # DeepSpeed counts both ring ranks
+
+
+def test_ring_flash_attn_imports_over_the_cpu_kernels_only_while_it_imports():
+    from transformers.utils import is_flash_attn_2_available
+
+    ring_fn, prepare = import_ring_flash_attn()
+    assert ring_fn.__module__ == "ring_flash_attn.llama3_flash_attn_varlen"
+    assert "flash_attn" not in sys.modules and not is_flash_attn_2_available()
+    # the llama3 split of a packed row [0, 5, 15, 22, 24] over two ranks (rank 1's queries reach back to 5)
+    cu = torch.tensor([0, 5, 15, 22, 24], dtype=torch.int32)
+    cu_q, cu_k, _, _, k_slice = prepare(cu, True, 1, 2)
+    assert cu_q.tolist() == [0, 3, 10, 12] and cu_k.tolist() == [0, 10, 17, 19] and k_slice == slice(5, 24)
+
+
+def test_bad_ring_arguments_fail_naming_the_flag():
+    with pytest.raises(ValueError, match="--ring_attn_size 3 must divide the world size 4"):
+        validate_ring_args(RingArgs(ring_attn_size=3), 4)
+    with pytest.raises(ValueError, match="--ring_head_stride"):
+        validate_ring_args(RingArgs(ring_head_stride=0), 2)
+    with pytest.raises(ValueError, match="--no_packing_samples"):
+        validate_ring_args(RingArgs(ring_attn_size=2), 2, packing_samples=False)
+    validate_ring_args(RingArgs(ring_attn_size=2), 4)
+
+
+def test_models_the_ring_cannot_run_fail_before_training():
+    from transformers import AutoModelForCausalLM, BloomConfig
+
+    from common.ring_attention import Ring
+
+    ring = Ring(size=2, rank=0, group=None, head_stride=1, dp_rank=0, dp_world=1)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation=NAME)
+    check_ring_model(model, ring)
+    with pytest.raises(ValueError, match="--ring_head_stride 3 must divide the model's 2 KV heads"):
+        check_ring_model(model, Ring(size=2, rank=0, group=None, head_stride=3, dp_rank=0, dp_world=1))
+    windowed = AutoModelForCausalLM.from_config(
+        tiny_config("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0), attn_implementation=NAME)
+    with pytest.raises(ValueError, match="--ring_attn_size: qwen2 uses sliding-window"):
+        check_ring_model(windowed, ring)
+    bloom = AutoModelForCausalLM.from_config(BloomConfig(vocab_size=256, hidden_size=64, n_layer=1, n_head=2),
+                                             attn_implementation=NAME)
+    with pytest.raises(ValueError, match="--ring_attn_size: bloom models do not route their attention"):
+        check_ring_model(bloom, ring)
+    plain = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="--ring_attn_size needs the model loaded with attn_implementation"):
+        check_ring_model(plain, ring)
