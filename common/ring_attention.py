@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from common.packing import per_sample_sum, token_logps
 from common.varlen_attention import cu_seqlens_from_position_ids, varlen_attention_forward, varlen_backward
 from common.varlen_attention import varlen_forward
 
@@ -48,23 +49,39 @@ class RingArgs:
     """KV heads all-gathered per step inside a ring (must divide the model's KV head count)."""
 
 
-def ring_deepspeed_config(train, world_size, ring):
+def ring_deepspeed_config(train, world_size, ring, **kwargs):
     """common.engine.deepspeed_config for rings: DeepSpeed counts every rank as data-parallel, so it gets
     --train_batch_size x ring size, and the accumulation steps come from the data-parallel size."""
     from common.engine import deepspeed_config
 
     size = ring.size if ring else 1
-    return deepspeed_config(dataclasses.replace(train, train_batch_size=train.train_batch_size * size), world_size)
+    return deepspeed_config(dataclasses.replace(train, train_batch_size=train.train_batch_size * size), world_size,
+                            **kwargs)
 
 
-def validate_ring_args(ring: RingArgs, world_size, packing_samples=True):
-    """Checks that need no model: raise ValueError naming the flag."""
+def validate_ring_args(ring: RingArgs, world_size, model=None, data=None):
+    """Checks that need no model (raise ValueError naming the flag); with a ring, sets --attn_implementation
+    to NAME. Returns the data-parallel size, world / ring size, for the batch arithmetic."""
     if ring.ring_attn_size < 1 or world_size % ring.ring_attn_size:
         raise ValueError(f"--ring_attn_size {ring.ring_attn_size} must divide the world size {world_size}")
     if ring.ring_head_stride < 1:
         raise ValueError(f"--ring_head_stride must be >= 1, got {ring.ring_head_stride}")
-    if ring.ring_attn_size > 1 and not packing_samples:
+    if ring.ring_attn_size == 1:
+        return world_size
+    if data is not None and not data.packing_samples:
         raise ValueError("--ring_attn_size > 1 splits one packed row per micro-batch: drop --no_packing_samples")
+    if data is not None and data.pack_max_tokens:
+        raise ValueError("--pack_max_tokens does not apply with --ring_attn_size > 1 (each micro-batch is one row, "
+                         "split over the ring: size it with --micro_train_batch_size)")
+    if model is not None:
+        if model.attn_implementation not in (None, NAME):
+            raise ValueError(f"--attn_implementation {model.attn_implementation} cannot run with --ring_attn_size > 1 "
+                             f"(the ring is the attention implementation {NAME!r}): drop --attn_implementation")
+        if model.aux_loss_coef > 0:
+            raise ValueError("--aux_loss_coef with --ring_attn_size > 1 is not supported (the router loss would be "
+                             "averaged over slices, not over the row)")
+        model.attn_implementation = NAME
+    return world_size // ring.ring_attn_size
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,6 +182,14 @@ def setup_ring(ring: RingArgs):
                 dp_world=world // n)
 
 
+def data_parallel(ring):
+    """(data-parallel rank, data-parallel size): which share of each global batch this rank's ring takes, and
+    how many shares there are (the ranks of a ring take the same one)."""
+    if ring is not None:
+        return ring.dp_rank, ring.dp_world
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
 def check_ring_model(model, ring):
     """Raise ValueError (naming the flags) for a model the ring cannot run exactly."""
     if ring is None:
@@ -231,7 +256,10 @@ def _gather(x, ring):
 
 def ring_token_logps(model, batch, ring, return_argmax=False):
     """`common.packing.token_logps` for a one-row batch split over `ring`: the same (logps, outputs[, argmax])
-    for the whole row on every rank of the ring (`outputs` are this rank's slice's model outputs)."""
+    for the whole row on every rank of the ring (`outputs` are this rank's slice's model outputs).
+    With ring None, common.packing.token_logps itself."""
+    if ring is None:
+        return token_logps(model, batch, return_argmax=return_argmax)
     input_ids, position_ids = batch["input_ids"], batch["position_ids"]
     if input_ids.shape[0] != 1 or batch.get("attention_mask") is not None:
         raise ValueError("--ring_attn_size: each micro-batch must be one packed row (collate(..., one_row=True))")
@@ -259,3 +287,9 @@ def ring_token_logps(model, batch, ring, return_argmax=False):
         hits = _gather((logits.argmax(-1) == targets).float(), ring).detach()[None, : width - 1]
         return logps, outputs, F.pad(hits, (1, 0)).bool() & ~starts
     return logps, outputs
+
+
+def ring_response_logps(model, batch, ring):
+    """`common.packing.response_logps` through ring_token_logps: per-sample sums of the loss tokens' log-probs."""
+    logps, outputs = ring_token_logps(model, batch, ring)
+    return per_sample_sum(logps * batch["loss_mask"], batch), outputs

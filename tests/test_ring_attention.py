@@ -91,13 +91,28 @@ def test_ring_flash_attn_imports_over_the_cpu_kernels_only_while_it_imports():
 
 
 def test_bad_ring_arguments_fail_naming_the_flag():
+    from types import SimpleNamespace
+
+    from common.engine import ModelArgs
+
+    data = SimpleNamespace(packing_samples=True, pack_max_tokens=0)  # the two fields read from DataArgs
     with pytest.raises(ValueError, match="--ring_attn_size 3 must divide the world size 4"):
         validate_ring_args(RingArgs(ring_attn_size=3), 4)
     with pytest.raises(ValueError, match="--ring_head_stride"):
         validate_ring_args(RingArgs(ring_head_stride=0), 2)
     with pytest.raises(ValueError, match="--no_packing_samples"):
-        validate_ring_args(RingArgs(ring_attn_size=2), 2, packing_samples=False)
-    validate_ring_args(RingArgs(ring_attn_size=2), 4)
+        validate_ring_args(RingArgs(ring_attn_size=2), 2, data=SimpleNamespace(packing_samples=False))
+    with pytest.raises(ValueError, match="--pack_max_tokens does not apply"):
+        validate_ring_args(RingArgs(ring_attn_size=2), 2, data=SimpleNamespace(packing_samples=True,
+                                                                                 pack_max_tokens=64))
+    with pytest.raises(ValueError, match="--attn_implementation sdpa cannot run with --ring_attn_size"):
+        validate_ring_args(RingArgs(ring_attn_size=2), 2, ModelArgs(pretrain="m", attn_implementation="sdpa"), data)
+    with pytest.raises(ValueError, match="--aux_loss_coef"):
+        validate_ring_args(RingArgs(ring_attn_size=2), 2, ModelArgs(pretrain="m", aux_loss_coef=0.01), data)
+    model = ModelArgs(pretrain="m")
+    assert validate_ring_args(RingArgs(ring_attn_size=2), 4, model, data) == 2  # the data-parallel size
+    assert model.attn_implementation == NAME
+    assert validate_ring_args(RingArgs(), 4, ModelArgs(pretrain="m"), data) == 4
 
 
 def test_models_the_ring_cannot_run_fail_before_training():
