@@ -1,0 +1,1080 @@
+"""PPO with a critic: GAE advantages from a learned value function, vLLM rollouts.
+
+    python algos/ppo.py --pretrain outputs/sft --prompt_data assets/data/reverse/rl_train.jsonl \\
+        --input_key prompt --label_key answer --apply_chat_template \\
+        --remote_rm_url launch/rewards/exact_match.py --n_samples_per_prompt 4 \\
+        --rollout_batch_size 32 --train_batch_size 128 --micro_train_batch_size 16 \\
+        --actor_num_gpus_per_node 2 --critic_num_gpus_per_node 1 --vllm_num_engines 1 --save_path outputs/ppo
+
+This process is the Ray driver (a local Ray, or a cluster with --ray_address). Ray only places
+models: the actor (policy) trainer ranks, which form one torch.distributed group and run DeepSpeed
+(with the reference model when a KL term is on), the critic trainer ranks (a group of their own: a
+causal-LM backbone with a scalar value head, its own optimizer and learning rate), vLLM engine
+actors, and a reward-model actor when --reward_pretrain is given. On CPU every role is a process;
+"GPUs" in flag names count trainer ranks there. Each step reads top to bottom in `main`: prompts ->
+samples -> rewards -> actor log-probs before the update, reference log-probs, critic values ->
+per-token rewards (-beta x KL_t, the scalar reward on the last model token) -> GAE advantages and
+returns -> actor PPO update and critic value update (side by side) -> weight sync.
+
+Differences from OpenRLHF, on purpose: GAE skips tokens that are not the model's own (they are not
+steps: values and the running sum carry across them; OpenRLHF zeroes them and runs GAE through,
+which decays over them for lambda < 1); the returns use their own lambda (--lambd_critic, VC-PPO /
+VAPO's decoupled GAE; 1 by default); --init_kl_coef defaults to 0 as in grpo.py; the actor's
+learning rate defaults to grpo.py's 1e-6; log-probs are of the untempered policy, and vLLM's
+log-probs of the sampled tokens are checked against the trainer's every step.
+"""
+
+import dataclasses
+import math
+import os
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Annotated, Literal, Optional
+
+import torch
+import tyro
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from common.data import BadRow, format_prompt, load_one, load_tokenizer, validate_prompt_args  # noqa: E402
+from common.engine import (  # noqa: E402
+    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
+    deepspeed_config, deepspeed_eval_config, device, finish, hold_ckpt_path, init_distributed, load_causal_lm,
+    load_checkpoint, optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed,
+    validate_common_args,
+)
+from common.packing import collate, to_device, token_logps, unpack  # noqa: E402
+from common.reward import unwrap  # noqa: E402
+from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
+from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
+from common.vllm_engine import EngineArgs, SamplingArgs, default_max_num_seqs, resolve_max_model_len  # noqa: E402
+
+
+@dataclass
+class ActorTrainArgs(TrainArgs):
+    train_batch_size: int = 64
+    """Global samples (responses) per optimizer step, across all trainer ranks (actor and critic alike)."""
+    max_epochs: int = 1
+    """Passes over each rollout's samples (PPO epochs), for the actor and the critic."""
+    learning_rate: Annotated[float, tyro.conf.arg(name="actor_learning_rate")] = 1e-6
+    """Peak learning rate of the policy (AdamW)."""
+    lr_warmup_ratio: float = 0.0
+    """Fraction of optimizer steps with linear warmup (actor and critic)."""
+    lr_scheduler: str = "constant_with_warmup"
+    """Any transformers scheduler name (actor and critic)."""
+
+
+@dataclass
+class RolloutEngineArgs(EngineArgs):
+    tp_size: Annotated[int, tyro.conf.arg(name="vllm_tensor_parallel_size")] = 1
+    """Tensor-parallel size of each vLLM engine."""
+    max_model_len: Optional[int] = None
+    """Longest prompt + response an engine serves (default: --prompt_max_len + --generate_max_len, at most the
+    model's max_position_embeddings)."""
+    seed: tyro.conf.Suppress[int] = 0  # unused: every request carries its own seed (derived from --seed)
+
+
+@dataclass
+class RolloutLogArgs(LogArgs):
+    logging_steps: int = 1
+    """Log training scalars every N rollout steps."""
+    eval_steps: int = -1
+    """Evaluate on --eval_dataset every N rollout steps (-1: after each pass over the prompts), before the first
+    and after the last rollout step."""
+
+
+@dataclass
+class Args:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    train: ActorTrainArgs = field(default_factory=ActorTrainArgs)
+    engine: RolloutEngineArgs = field(default_factory=RolloutEngineArgs)
+    ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
+    log: RolloutLogArgs = field(default_factory=RolloutLogArgs)
+    # -- the critic
+    critic_pretrain: Optional[str] = None
+    """Critic start point (default: the first --reward_pretrain if given, else --pretrain; the log says which).
+    From a reward model (rm.py) the value head is its score head; from a causal LM it is freshly initialised."""
+    critic_learning_rate: float = 9e-6
+    """Peak learning rate of the critic (AdamW; the other optimizer flags are shared with the actor)."""
+    value_clip: float = 0.5
+    """PPO2 clipped value loss: the new value may move at most this far from the rollout's value (0: no clip)."""
+    freezing_actor_steps: int = 0
+    """Critic warm-up: the actor does not update (nor sync) for the first N rollout steps; the critic does."""
+    value_head_prefix: str = "score"
+    """Name of the value head in the Hugging Face sequence-classification class (as rm.py's flag)."""
+    critic_num_nodes: int = 1
+    """Nodes for the critic group."""
+    critic_num_gpus_per_node: int = 1
+    """Critic trainer ranks per node (devices on CUDA, processes on CPU)."""
+    # -- prompts
+    prompt_data: str = tyro.MISSING
+    """Prompt dataset (any spec common/data.py loads: file, folder, type@dir, hub name)."""
+    prompt_split: str = "train"
+    """Split of --prompt_data."""
+    input_key: str = "input"
+    """Field holding the prompt (a string, or a list of chat messages)."""
+    label_key: Optional[str] = None
+    """Field holding the reference answer passed to the reward function (required in every row when set)."""
+    apply_chat_template: bool = False
+    """Format prompts with the tokenizer's chat template."""
+    input_template: Optional[str] = None
+    """Plain prompt template with one '{}' for the prompt (no chat template)."""
+    tokenizer_chat_template: Optional[str] = None
+    """A Jinja chat template that replaces the tokenizer's own."""
+    max_samples: int = 100_000_000
+    """Use at most this many prompts."""
+    skip_bad_rows: bool = False
+    """Skip and count prompts that are missing fields or longer than --prompt_max_len instead of stopping."""
+    eval_dataset: Optional[str] = None
+    """Held-out prompts (same keys), evaluated every --eval_steps rollout steps and at the start and end."""
+    eval_split: str = "train"
+    """Split of --eval_dataset."""
+    eval_n_samples_per_prompt: int = 4
+    """Samples per held-out prompt: pass@1 is their mean reward, pass@k the mean of each prompt's best."""
+    eval_temperature: float = 0.6
+    """Sampling temperature of the evaluation (0: greedy)."""
+    # -- rewards
+    remote_rm_url: Optional[str] = None
+    """Rule-based or remote reward: a .py file defining reward_func(queries, prompts, labels), or an HTTP URL
+    served by `python -m common.remote_reward`."""
+    remote_rm_token: Optional[str] = None
+    """Bearer token for an HTTP --remote_rm_url (default: $MINRLHF_REWARD_TOKEN)."""
+    reward_pretrain: Optional[str] = None
+    """Comma list of reward models exported by rm.py; their scores are summed (and added to --remote_rm_url's)."""
+    normalize_reward: bool = False
+    """Normalise each reward model's score with the mean/std rm.py stored in its config."""
+    reward_clip_range: tuple[float, float] = (-10.0, 10.0)
+    """Clamp each sample's scalar reward to this range."""
+    overlong_buffer_len: int = 0
+    """DAPO overlong penalty: responses longer than --generate_max_len minus this lose reward linearly (0: off)."""
+    overlong_penalty_factor: float = 1.0
+    """Reward lost by a response that fills the whole overlong buffer."""
+    # -- rollouts
+    n_samples_per_prompt: int = 1
+    """Responses sampled per prompt (the critic is the baseline: 1 is enough)."""
+    rollout_batch_size: int = 32
+    """Prompts per rollout step; samples per step = this x --n_samples_per_prompt."""
+    micro_rollout_batch_size: int = 16
+    """Samples per forward pass when computing log-probs and values before the update."""
+    num_episodes: int = 1
+    """Passes over the prompt data."""
+    max_steps: int = -1
+    """Stop after this many rollout steps (-1: as many as --num_episodes give)."""
+    prompt_max_len: int = 1024
+    """Longest prompt in tokens."""
+    generate_max_len: int = 1024
+    """Longest response in tokens."""
+    temperature: float = 1.0
+    """Rollout sampling temperature."""
+    top_p: float = 1.0
+    """Rollout nucleus sampling mass."""
+    dynamic_filtering: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and sample new prompts to refill the batch."""
+    dynamic_filtering_max_rounds: int = 4
+    """Sampling rounds per step for --dynamic_filtering; then the batch is topped up with dropped groups."""
+    mask_truncated_responses: bool = False
+    """Responses cut off at --generate_max_len carry no loss (actor and critic)."""
+    # -- advantages and the loss
+    advantage_estimator: str = "gae"
+    """Only gae (generalised advantage estimation with the critic); the critic-free estimators are grpo.py's."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lambd: float = 1.0
+    """GAE lambda of the actor's advantages."""
+    lambd_critic: float = 1.0
+    """GAE lambda of the critic's returns (decoupled GAE, VC-PPO / VAPO; 1: Monte-Carlo returns)."""
+    loss_agg: Literal["token", "sequence"] = "token"
+    """token: mean over every response token of the optimizer step; sequence: mean over samples of each
+    sample's token mean (actor and critic)."""
+    eps_clip: float = 0.2
+    """PPO ratio clip."""
+    eps_clip_low_high: Optional[tuple[float, float]] = None
+    """Asymmetric clip (DAPO clip-higher): clamp the ratio to [1 - low, 1 + high] instead of +-eps_clip."""
+    dual_clip: Optional[float] = None
+    """Dual-clip constant c > 1: for negative advantages the loss is at most -c x A."""
+    init_kl_coef: float = 0.0
+    """KL coefficient to the reference model (0: no reference model is loaded)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """KL estimator: k1 log(p/p_ref), k2 log(p/p_ref)^2 / 2, k3 p_ref/p - 1 - log(p_ref/p)."""
+    use_kl_loss: bool = False
+    """Put the KL in the actor's loss instead of the per-token reward."""
+    entropy_loss_coef: float = 0.0
+    """Entropy bonus coefficient (entropy is logged either way)."""
+    vllm_is_truncation: float = 0.0
+    """Truncated importance sampling: weight each token's loss by min(p_trainer / p_vllm, this) (0: off)."""
+    # -- placement
+    actor_num_nodes: int = 1
+    """Nodes for the actor group."""
+    actor_num_gpus_per_node: int = 1
+    """Actor trainer ranks per node (devices on CUDA, processes on CPU)."""
+    vllm_num_engines: int = 1
+    """vLLM engines (each --vllm_tensor_parallel_size devices)."""
+    colocate_all_models: bool = False
+    """Put actor, critic, vLLM engines and reward models on the same devices (one placement-group bundle each)."""
+    vllm_enable_sleep: bool = False
+    """Sleep the vLLM engines while training (CUDA; a logged no-op on CPU)."""
+    ray_address: Optional[str] = None
+    """Join this Ray cluster (default: start a local Ray)."""
+    startup_timeout: float = 900.0
+    """Seconds every role (trainers, critic, vLLM engines, reward models) may take to load its models and start."""
+    rendezvous_timeout: float = 120.0
+    """Seconds a group set-up (trainer groups, weight-sync group) waits for its members; then it stops naming who
+    did not join."""
+
+
+def parse_args(argv=None):
+    args = parse_cli(Args, argv, __doc__)
+    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    critic_world = args.critic_num_nodes * args.critic_num_gpus_per_node
+    if args.advantage_estimator != "gae":
+        raise ValueError(f"--advantage_estimator {args.advantage_estimator}: ppo.py learns a critic and uses gae "
+                         f"only; the critic-free estimators are in algos/grpo.py")
+    validate_common_args(args.model, args.train, args.ckpt, world)
+    accumulation_steps(args.train.train_batch_size, args.train.micro_train_batch_size, critic_world)
+    if args.model.aux_loss_coef > 0:
+        raise ValueError("--aux_loss_coef (MoE load balancing) is not implemented in ppo.py")
+    n = args.n_samples_per_prompt
+    if n < 1:
+        raise ValueError(f"--n_samples_per_prompt must be >= 1, got {n}")
+    rollout = args.rollout_batch_size * n
+    if rollout % args.train.train_batch_size:
+        raise ValueError(f"--rollout_batch_size {args.rollout_batch_size} x --n_samples_per_prompt {n} = {rollout} "
+                         f"samples must be a multiple of --train_batch_size {args.train.train_batch_size}")
+    for ranks, what in ((world, "actor"), (critic_world, "critic")):
+        if rollout % (args.micro_rollout_batch_size * ranks):
+            raise ValueError(f"{rollout} samples per rollout must be a multiple of --micro_rollout_batch_size "
+                             f"{args.micro_rollout_batch_size} x {ranks} {what} ranks")
+    for name in ("gamma", "lambd", "lambd_critic"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            raise ValueError(f"--{name} must be in [0, 1], got {getattr(args, name)}")
+    if args.value_clip < 0 or args.freezing_actor_steps < 0:
+        raise ValueError("--value_clip and --freezing_actor_steps must be >= 0")
+    if not (args.remote_rm_url or args.reward_pretrain):
+        raise ValueError("no reward: give --remote_rm_url (a .py reward file or an HTTP URL) and/or --reward_pretrain")
+    if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
+        from common.remote_reward import load_reward_func
+
+        # a missing file or function fails now, not after the models load
+        load_reward_func(args.remote_rm_url, "--remote_rm_url")
+    needed = args.prompt_max_len + args.generate_max_len
+    if args.engine.max_model_len is not None and args.engine.max_model_len < needed:
+        raise ValueError(f"--max_model_len {args.engine.max_model_len} must be >= --prompt_max_len "
+                         f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len}")
+    args.engine.max_model_len = resolve_max_model_len(args.model.pretrain, args.engine.max_model_len, needed)
+    if args.use_kl_loss and args.init_kl_coef <= 0:
+        raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
+    if args.overlong_buffer_len >= args.generate_max_len:
+        raise ValueError(f"--overlong_buffer_len {args.overlong_buffer_len} must be < --generate_max_len")
+    if args.colocate_all_models and args.vllm_num_engines * args.engine.tp_size != world:
+        raise ValueError(f"--colocate_all_models puts one engine device on each trainer device: --vllm_num_engines "
+                         f"x --vllm_tensor_parallel_size must equal {world} trainer ranks")
+    if args.colocate_all_models and critic_world > world:
+        raise ValueError(f"--colocate_all_models puts each critic rank on an actor device: {critic_world} critic "
+                         f"ranks for {world} actor ranks")
+    if args.vllm_enable_sleep and not args.colocate_all_models:
+        raise ValueError("--vllm_enable_sleep only helps with --colocate_all_models")
+    validate_prompt_args(args.input_template, args.apply_chat_template)
+    args.critic_pretrain = args.critic_pretrain or (args.reward_pretrain.split(",")[0] if args.reward_pretrain
+                                                    else args.model.pretrain)
+    check_critic(args)
+    return args
+
+
+def check_critic(args: Args):
+    """The critic's directory exists, has a value head of that name, and shares the actor's tokenizer (the
+    critic reads the actor's token ids); config and tokenizer files only, no weights."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(args.critic_pretrain, num_labels=1)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--critic_pretrain {args.critic_pretrain}: not a model directory "
+                         f"({str(e).splitlines()[0]})") from None
+    with torch.device("meta"):
+        skeleton = AutoModelForSequenceClassification.from_config(config)
+    if not isinstance(getattr(skeleton, args.value_head_prefix, None), torch.nn.Linear):
+        raise ValueError(f"--value_head_prefix {args.value_head_prefix!r}: {type(skeleton).__name__} has no such head")
+    if args.critic_pretrain != args.model.pretrain:
+        actor_vocab = AutoTokenizer.from_pretrained(args.model.pretrain).get_vocab()
+        if AutoTokenizer.from_pretrained(args.critic_pretrain).get_vocab() != actor_vocab:
+            raise ValueError(f"--critic_pretrain {args.critic_pretrain} has another tokenizer than --pretrain "
+                             f"{args.model.pretrain}: the critic must read the actor's token ids")
+
+
+def critic_source(args: Args):
+    """What the critic starts from, in words (the log and --help say it)."""
+    from transformers import AutoConfig
+
+    archs = AutoConfig.from_pretrained(args.critic_pretrain).architectures or []
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        return f"critic: {args.critic_pretrain} (a reward model: its {args.value_head_prefix} head is the value head)"
+    return f"critic: {args.critic_pretrain} (backbone; a freshly initialised value head)"
+
+
+# ----------------------------------------------------------------------------------------------
+# GAE, the value loss, KL and the policy loss: small pure functions  (forkers edit these)
+# ----------------------------------------------------------------------------------------------
+def gae(rewards, values, mask, gamma, lambd):
+    """Generalised advantage estimates of one response (1-D tensors, one entry per response token).
+
+    delta_t = r_t + gamma V_next - V_t and A_t = delta_t + gamma lambda A_next, where "next" is the
+    next token the model itself wrote: tokens with mask 0 (not the model's, e.g. tool output) are not
+    steps; their rewards and values are never read and their advantages are 0. After the last model
+    token V_next = 0 (the episode ends)."""
+    advantages = torch.zeros_like(values, dtype=torch.float32)
+    next_value, running = 0.0, 0.0
+    for t in range(len(values) - 1, -1, -1):
+        if not mask[t]:
+            continue
+        delta = rewards[t] + gamma * next_value - values[t]
+        running = delta + gamma * lambd * running
+        advantages[t] = running
+        next_value = values[t]
+    return advantages
+
+
+def token_rewards(reward, kl, mask):
+    """Per-token rewards: -beta x KL_t (kl already scaled) on the model's tokens, plus the scalar reward on the
+    last model token (the last token of the response may be someone else's)."""
+    out = -kl.float() * mask
+    model_tokens = mask.nonzero()
+    if len(model_tokens):
+        out[model_tokens[-1, 0]] += reward
+    return out
+
+
+def advantages_and_returns(rewards, kls, values, masks, gamma, lambd, lambd_critic, eps=1e-8):
+    """Per-sample advantages (lambda, whitened over every model token of the rollout) and returns (their own
+    lambda_critic: R_t = A_t(lambda_critic) + V_t). rewards: scalars; kls, values, masks: 1-D per sample."""
+    advantages, returns = [], []
+    for r, kl, v, m in zip(rewards, kls, values, masks):
+        tr = token_rewards(float(r), kl, m)
+        advantages.append(gae(tr, v, m, gamma, lambd))
+        returns.append((gae(tr, v, m, gamma, lambd_critic) + v) * m)
+    flat_mask = torch.cat(masks).bool()
+    if flat_mask.sum() > 1:
+        flat = torch.cat(advantages)[flat_mask]
+        mean, std = flat.mean(), flat.std()
+        advantages = [(a - mean) / (std + eps) * m for a, m in zip(advantages, masks)]
+    return advantages, returns
+
+
+def value_loss(values, old_values, returns, clip):
+    """Per-token PPO2 value loss 0.5 max((V - R)^2, (V_old + clip(V - V_old, +-clip) - R)^2) and a clipped-token
+    mask (clip 0: the plain squared error)."""
+    plain = (values - returns) ** 2
+    if clip <= 0:
+        return 0.5 * plain, torch.zeros_like(plain)
+    clipped = (old_values + (values - old_values).clamp(-clip, clip) - returns) ** 2
+    return 0.5 * torch.max(plain, clipped), (clipped > plain).float()
+
+
+def explained_variance(values, returns):
+    """1 - Var(R - V) / Var(R) over flat tensors of model tokens (1: the critic predicts the returns)."""
+    var = returns.var()
+    return (1 - (returns - values).var() / var).item() if var > 0 else 0.0
+
+
+def approx_kl(logps, ref_logps, estimator):
+    """Per-token KL estimate of the policy to the reference, clamped to +-10."""
+    log_ratio = logps - ref_logps
+    if estimator == "k1":
+        kl = log_ratio
+    elif estimator == "k2":
+        kl = log_ratio**2 / 2
+    else:
+        kl = torch.exp(-log_ratio) - 1 + log_ratio
+    return kl.clamp(-10, 10)
+
+
+def policy_loss(logps, old_logps, advantages, eps_low, eps_high, dual_clip=None):
+    """Per-token PPO clipped loss (asymmetric bounds, optional dual clip) and a clipped-token mask."""
+    ratio = torch.exp((logps - old_logps).clamp(-20, 20))
+    surr1 = ratio * advantages
+    surr2 = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
+    loss = -torch.min(surr1, surr2)
+    if dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
+    return loss, (surr2 < surr1).float()
+
+
+def aggregate(per_token, mask, sample_index, num_samples, mode):
+    """Sum of the loss terms of one micro-batch, to be divided by the step's normaliser: token mode sums the
+    tokens, sequence mode sums each sample's token mean (so micro-batches and ranks do not change the total)."""
+    if mode == "sequence":
+        keep = sample_index >= 0
+        sums = torch.zeros(num_samples,
+                           dtype=per_token.dtype).index_add(0, sample_index[keep], (per_token * mask)[keep])
+        counts = torch.zeros(num_samples, dtype=per_token.dtype).index_add(0, sample_index[keep], mask[keep])
+        return (sums / counts.clamp(min=1)).sum()
+    return (per_token * mask).sum()
+
+
+def token_entropy(logits):
+    """Entropy of each position's next-token distribution, aligned like common.packing.token_logps."""
+    logps = logits.float().log_softmax(-1)
+    return torch.nn.functional.pad(-(logps.exp() * logps).sum(-1), (1, 0))
+
+
+def single_update(args):
+    """Each rollout feeds exactly one optimizer step and no KL goes into the reward: the actor's log-probs
+    before the update are the update's own (ratio 1), so that forward is skipped."""
+    samples = args.rollout_batch_size * args.n_samples_per_prompt
+    one_step = args.train.max_epochs == 1 and samples == args.train.train_batch_size
+    return one_step and not (args.init_kl_coef > 0 and not args.use_kl_loss)
+
+
+def micro_batch_loss(model, batch, args, normaliser, scale=1.0):
+    """The actor's loss of one collated micro-batch, divided by the step's normaliser (times `scale`, which
+    undoes DeepSpeed's averaging); returns (loss, metric sums)."""
+    logps, outputs = token_logps(model, batch)
+    mask = batch["loss_mask"]
+    old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
+    eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
+    per_token, clipped = policy_loss(logps, old_logps, batch["advantages"], eps_low, eps_high, args.dual_clip)
+    if args.vllm_is_truncation > 0:  # vLLM sampled from slightly different numbers than the trainer computes
+        per_token = per_token * torch.exp(old_logps - batch["vllm_logps"]).clamp(max=args.vllm_is_truncation)
+    mode = args.loss_agg
+    pieces = {"policy_loss": aggregate(per_token, mask, batch["sample_index"], batch["num_samples"], mode)}
+    total = pieces["policy_loss"]
+    if args.use_kl_loss:
+        kl = approx_kl(logps, batch["ref_logps"], args.kl_estimator)
+        pieces["kl_loss"] = aggregate(kl, mask, batch["sample_index"], batch["num_samples"], mode)
+        total = total + args.init_kl_coef * pieces["kl_loss"]
+    with torch.set_grad_enabled(args.entropy_loss_coef > 0):
+        entropy = token_entropy(outputs.logits[:, :-1])
+        pieces["entropy"] = aggregate(entropy, mask, batch["sample_index"], batch["num_samples"], mode)
+    if args.entropy_loss_coef > 0:
+        total = total - args.entropy_loss_coef * pieces["entropy"]
+    pieces["clip_ratio"] = aggregate(clipped, mask, batch["sample_index"], batch["num_samples"], mode)
+    metrics = {k: v.item() for k, v in pieces.items()}
+    metrics["vllm_logp_max_abs_diff"] = ((old_logps - batch["vllm_logps"]).abs() * mask).max().item()
+    return total * scale / normaliser, metrics
+
+
+def token_values(model, batch, value_head_prefix="score"):
+    """Critic forward of a collated batch: values[:, t] is the value of the state before token t (the value
+    head's output at t - 1, 0 at each sample's first token), aligned like token_logps and loss_mask."""
+    values = []
+    handle = getattr(unwrap(model), value_head_prefix).register_forward_hook(lambda m, a, out: values.append(out))
+    try:
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+              use_cache=False)  # with the cache on, packed rows are silently attended as one sequence
+    finally:
+        handle.remove()
+    out = torch.nn.functional.pad(values[0].squeeze(-1)[:, :-1].float(), (1, 0))
+    return out.masked_fill(batch["position_ids"] == 0, 0.0)
+
+
+def critic_micro_batch_loss(model, batch, args, normaliser, scale=1.0):
+    """The critic's clipped value loss of one micro-batch, divided by the step's normaliser."""
+    values = token_values(model, batch, args.value_head_prefix)
+    mask = batch["loss_mask"]
+    per_token, clipped = value_loss(values, batch["values"], batch["returns"], args.value_clip)
+    loss = aggregate(per_token, mask, batch["sample_index"], batch["num_samples"], args.loss_agg)
+    clip_ratio = aggregate(clipped, mask, batch["sample_index"], batch["num_samples"], args.loss_agg)
+    return loss * scale / normaliser, {"value_loss": loss.item(), "value_clip_ratio": clip_ratio.item()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Samples: a response with its prompt, made into collated batches with per-token values
+# ----------------------------------------------------------------------------------------------
+def token_sample(s):
+    """The input_ids/loss_mask dict collate() packs: loss on the response tokens (none if masked)."""
+    return {"input_ids": s["prompt_ids"] + s["response_ids"],
+            "loss_mask": [0] * len(s["prompt_ids"]) + [0 if s.get("masked") else 1] * len(s["response_ids"])}
+
+
+def make_batch(samples, pad_id, max_tokens, flash, values=()):
+    """Collate samples (packed), and lay each named per-response-token value out like the tokens."""
+    batch = collate([token_sample(s) for s in samples], pad_id, packing=True, max_tokens=max_tokens, one_row=flash)
+    for key in values:
+        laid = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        for s, (r, start, n) in zip(samples, batch["spans"]):
+            p = len(s["prompt_ids"])
+            laid[r, start + p : start + n] = torch.as_tensor(s[key], dtype=torch.float32)
+        batch[key] = laid
+    return batch
+
+
+def reference_args(args: Args):
+    """The frozen reference model (--init_kl_coef > 0): the start policy, loaded as the policy is."""
+    return ModelArgs(pretrain=args.model.pretrain, attn_implementation=args.model.attn_implementation,
+                     load_in_4bit=args.model.load_in_4bit)
+
+
+def critic_args(args: Args):
+    """The critic's model and optimizer options: its own start point and learning rate, all weights trained
+    (no LoRA), the actor's attention kernel, gradient checkpointing and DeepSpeed settings otherwise."""
+    model = ModelArgs(pretrain=args.critic_pretrain, attn_implementation=args.model.attn_implementation,
+                      gradient_checkpointing=args.model.gradient_checkpointing)
+    return model, dataclasses.replace(args.train, learning_rate=args.critic_learning_rate)
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainers: one Ray actor per rank; the actor ranks and the critic ranks each form a group
+# ----------------------------------------------------------------------------------------------
+class GroupMember:
+    """What actor and critic ranks share: the rendezvous, thread count and the packed row length."""
+
+    def __init__(self, args: Args, rank, world, pad_id, ranks_per_node):
+        self.args, self.rank, self.world, self.pad_id, self.ranks_per_node = args, rank, world, pad_id, ranks_per_node
+
+    def address(self):
+        """Rank 0's address and a free port for the group's rendezvous."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def join(self, master_addr, master_port):
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0",
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        init_distributed(timeout_s=self.args.rendezvous_timeout)
+        if not torch.cuda.is_available():  # Ray gives an actor num_cpus threads (1)
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.ranks_per_node))
+        set_seed(self.args.train.seed)
+
+    def max_tokens(self, samples):
+        """Packed row length: the longest sample the run can produce (and at least this batch's longest)."""
+        longest = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+        return max(longest, self.args.prompt_max_len + self.args.generate_max_len)
+
+    def save_checkpoint(self, step, client_state):
+        save_checkpoint(self.engine, self.ckpt_dir, step, client_state, self.args.ckpt.max_ckpt_num)
+        return True
+
+    def load_checkpoint(self, step=None):
+        """Load `latest` (the actor's), or the checkpoint of `step` (the critic's: the actor's `latest` is the
+        commit point, and the critic saves first, so its `latest` may be one save ahead)."""
+        if step is not None:
+            tag = os.path.join(self.ckpt_dir, f"global_step{step}")
+            if not os.path.isdir(tag):
+                raise RuntimeError(f"the actor resumes at step {step} but {tag} does not exist")
+            if self.rank == 0:
+                with open(os.path.join(self.ckpt_dir, "latest"), "w") as f:
+                    f.write(f"global_step{step}")
+            torch.distributed.barrier()
+        return load_checkpoint(self.engine, self.ckpt_dir)
+
+    def train_steps(self, steps, values, loss_fn):
+        """steps: this rank's samples of each optimizer step. Returns the step-averaged metrics (rank 0)."""
+        args, engine, t0 = self.args, self.engine, time.time()
+        micro = args.train.micro_train_batch_size
+        gas = accumulation_steps(args.train.train_batch_size, micro, self.world)
+        totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
+        for samples in steps:
+            max_tokens = self.max_tokens(samples)
+            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, max_tokens, self.flash, values),
+                                 device())
+                       for i in range(0, len(samples), micro)]
+            tokens, sequences = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in batches),
+                                                sum(not s.get("masked") for s in samples)])
+            normaliser = float(max(tokens if args.loss_agg == "token" else sequences, 1))
+            lrs.append(engine.get_lr()[0])
+            step_metrics = {}
+            for batch in batches:
+                loss, metrics = loss_fn(engine, batch, args, normaliser, scale=gas * self.world)
+                engine.backward(loss)
+                grad_norm = optimizer_step(engine)
+                vllm_diff = max(vllm_diff, metrics.pop("vllm_logp_max_abs_diff", 0.0))
+                for k, v in metrics.items():
+                    step_metrics[k] = step_metrics.get(k, 0.0) + v / normaliser
+            reduced = all_reduce_sum(list(step_metrics.values()))
+            for k, v in zip(step_metrics, reduced):
+                totals[k] = totals.get(k, 0.0) + v / len(steps)
+            grad_norms.append(grad_norm)
+        totals["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        totals["lr"] = sum(lrs) / len(lrs)
+        diff = torch.tensor(vllm_diff, device=device())
+        torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
+        totals["vllm_logp_max_abs_diff"], totals["time_s"] = diff.item(), time.time() - t0
+        return totals
+
+
+class PolicyTrainer(GroupMember):
+    def setup(self, master_addr, master_port, num_training_steps):
+        """Join the actor group (bounded by --rendezvous_timeout) and load the policy (and reference)."""
+        self.join(master_addr, master_port)
+        args, self.ckpt_dir = self.args, os.path.join(self.args.ckpt.ckpt_path, "actor")
+        ds_config = deepspeed_config(args.train, self.world)
+        model = load_causal_lm(args.model, ds_config)
+        self.flash = model.config._attn_implementation.startswith("flash")
+        self.engine = create_train_engine(model, args.train, ds_config, num_training_steps)
+        self.ref = None
+        if args.init_kl_coef > 0:  # coefficient 0: no reference model at all
+            ref_config = deepspeed_eval_config(args.train, self.world)
+            self.ref = create_eval_engine(load_causal_lm(reference_args(args), ref_config), ref_config)
+        return True
+
+    def setup_weight_sync(self, engines):
+        import ray
+
+        from common.weight_sync import WeightSync
+
+        self.weight_sync = WeightSync(engines if self.rank == 0 else [], colocated=self.args.colocate_all_models,
+                                      tp_size=self.args.engine.tp_size, host=ray.util.get_node_ip_address(),
+                                      timeout_s=self.args.rendezvous_timeout)
+        return True
+
+    def sync_weights(self):
+        return self.weight_sync.sync(self.engine)
+
+    @torch.no_grad()
+    def logprobs(self, samples, policy=True):
+        """Per-response-token log-probs under the reference, and under the policy before the update unless
+        single_update makes them the update's own."""
+        self.engine.eval()
+        out = {"old_logps": [], "ref_logps": []}
+        micro, max_tokens = self.args.micro_rollout_batch_size, self.max_tokens(samples)
+        for start in range(0, len(samples), micro):
+            chunk = samples[start : start + micro]
+            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.flash), device())
+            for key, model in (("old_logps", self.engine if policy else None), ("ref_logps", self.ref)):
+                if model is None:
+                    continue
+                logps, _ = token_logps(model, batch)
+                out[key] += [t[len(s["prompt_ids"]):].cpu().tolist() for s, t in zip(chunk, unpack(logps, batch))]
+        self.engine.train()
+        return out
+
+    def train(self, steps):
+        args = self.args
+        values = (["advantages", "vllm_logps"] + ([] if single_update(args) else ["old_logps"])
+                  + (["ref_logps"] if args.use_kl_loss else []))
+        return self.train_steps(steps, values, micro_batch_loss)
+
+    def save_model(self, path):
+        tokenizer = load_tokenizer(self.args.model.pretrain, self.args)
+        save_hf_model(self.engine, tokenizer, path, merge_lora=self.args.ckpt.merge_lora,
+                      base_path=self.args.model.pretrain)
+        return True
+
+
+class CriticTrainer(GroupMember):
+    def setup(self, master_addr, master_port, num_training_steps):
+        """Join the critic group and load the critic: a sequence-classification model whose value head is read
+        at every token (rm.py's score head when it starts from a reward model)."""
+        from transformers import AutoModelForSequenceClassification
+
+        self.join(master_addr, master_port)
+        self.ckpt_dir = os.path.join(self.args.ckpt.ckpt_path, "critic")
+        model_args, train_args = critic_args(self.args)
+        ds_config = deepspeed_config(train_args, self.world)
+        model = load_causal_lm(model_args, ds_config, model_cls=AutoModelForSequenceClassification, num_labels=1,
+                               pad_token_id=self.pad_id)
+        self.flash = model.config._attn_implementation.startswith("flash")
+        self.engine = create_train_engine(model, train_args, ds_config, num_training_steps)
+        return True
+
+    @torch.no_grad()
+    def values(self, samples):
+        """Per-response-token values before the update."""
+        self.engine.eval()
+        out, micro, max_tokens = [], self.args.micro_rollout_batch_size, self.max_tokens(samples)
+        for start in range(0, len(samples), micro):
+            chunk = samples[start : start + micro]
+            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.flash), device())
+            values = token_values(self.engine, batch, self.args.value_head_prefix)
+            out += [t[len(s["prompt_ids"]):].cpu().tolist() for s, t in zip(chunk, unpack(values, batch))]
+        self.engine.train()
+        return out
+
+    def train(self, steps):
+        return self.train_steps(steps, ["values", "returns"], critic_micro_batch_loss)
+
+    def save_model(self, path):
+        """An AutoModelForSequenceClassification directory, as rm.py exports."""
+        save_hf_model(self.engine, load_tokenizer(self.args.model.pretrain, self.args), path)
+        return True
+
+
+class RewardModels:
+    """Reward models from rm.py in their own Ray actor: one summed score per text."""
+
+    def __init__(self, paths, normalize):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.models = [AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
+        self.tokenizer, self.normalize = AutoTokenizer.from_pretrained(paths[0]), normalize
+
+    def score(self, texts):
+        from common.reward import score
+
+        return score(self.models, texts, self.tokenizer, normalize=self.normalize).tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver side: prompts, placement, rewards
+# ----------------------------------------------------------------------------------------------
+def load_prompts(spec, split, args, tokenizer, max_samples):
+    """[{prompt_text, prompt_ids, label}]; rows missing a field or too long fail naming the file and row."""
+    raw = load_one(spec, split)
+    prompts, skipped = [], 0
+    for i in range(min(len(raw), max_samples)):
+        row = raw[i]
+        try:
+            if row.get(args.input_key) in (None, "", []):
+                raise BadRow(f"missing or empty field {args.input_key!r} (--input_key)")
+            if args.label_key and row.get(args.label_key) is None:
+                raise BadRow(f"missing field {args.label_key!r} (--label_key), which the reward needs")
+            text = format_prompt(row[args.input_key], tokenizer, args)
+            ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
+            limit = min(args.prompt_max_len, args.engine.max_model_len - 1)  # the engine needs room for a response
+            if len(ids) > limit:
+                raise BadRow(f"{len(ids)} prompt tokens, more than {limit} (--prompt_max_len {args.prompt_max_len}, "
+                             f"--max_model_len {args.engine.max_model_len})")
+        except BadRow as e:
+            if not args.skip_bad_rows:
+                raise ValueError(f"{spec}: row {i}: {e}") from None
+            skipped += 1
+            continue
+        prompts.append({"prompt_text": text, "prompt_ids": ids,
+                        "label": row[args.label_key] if args.label_key else None})
+    if not prompts:
+        raise ValueError(f"{spec}: no usable prompts ({len(raw)} rows, {skipped} skipped)")
+    if skipped:
+        print(f"{spec}: skipped {skipped} bad rows")
+    return prompts
+
+
+def prompt_at(prompts, position, seed):
+    """The prompt at stream position `position`: episode after episode, each in its own shuffled order."""
+    episode, k = divmod(position, len(prompts))
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + episode))
+    return prompts[order[k].item()]
+
+
+def place_models(args, world, critic_world, pad_id, roles):
+    """Ray actors: actor and critic ranks, vLLM engines, reward models; colocated in one placement group, or
+    each trainer group in its own. Each is added to `roles` under the name errors give it."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from common.vllm_engine import create_vllm_actor
+
+    gpu = ray.cluster_resources().get("GPU", 0) > 0
+    share = 0.2 if args.colocate_all_models else 1  # up to five roles share one device when colocated
+
+    def group(size):
+        pg = placement_group([{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(size)], strategy="PACK")
+        roles.get(pg.ready(), timeout_s=args.startup_timeout)
+        return lambda i: PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+
+    in_bundle = group(world)
+    in_critic_bundle = in_bundle if args.colocate_all_models else group(critic_world)
+    cpus = 0.25 if args.colocate_all_models else 1  # colocated roles split their bundle's CPU
+    trainers = [roles.add(f"actor rank {r}", actor_class(PolicyTrainer).options(
+                    num_cpus=cpus, num_gpus=share if gpu else 0, scheduling_strategy=in_bundle(r)).remote(
+                    args, r, world, pad_id, args.actor_num_gpus_per_node))
+                for r in range(world)]
+    critics = [roles.add(f"critic rank {r}", actor_class(CriticTrainer).options(
+                   num_cpus=cpus, num_gpus=share if gpu else 0, scheduling_strategy=in_critic_bundle(r)).remote(
+                   args, r, critic_world, pad_id, args.critic_num_gpus_per_node))
+               for r in range(critic_world)]
+    # an engine holds at once every sample of its share of a rollout (or of an evaluation round)
+    per_engine = math.ceil(args.rollout_batch_size / args.vllm_num_engines)
+    max_num_seqs = default_max_num_seqs(per_engine * max(args.n_samples_per_prompt, args.eval_n_samples_per_prompt))
+    engines = []
+    for i in range(args.vllm_num_engines):
+        options = {"scheduling_strategy": in_bundle(i * args.engine.tp_size)} if args.colocate_all_models else {}
+        engines.append(roles.add(f"vLLM engine {i}", create_vllm_actor(
+            args.model.pretrain, args.engine, num_cpus=cpus if args.colocate_all_models else 1,
+            num_gpus=(share * args.engine.tp_size) if gpu else 0, enable_sleep=args.vllm_enable_sleep,
+            colocated=args.colocate_all_models, options=options, max_num_seqs=max_num_seqs)))
+    reward_models = None
+    if args.reward_pretrain:
+        options = {"scheduling_strategy": in_bundle(0)} if args.colocate_all_models else {}
+        reward_models = roles.add("reward models", actor_class(RewardModels).options(
+            num_cpus=cpus if args.colocate_all_models else 1, num_gpus=share if gpu else 0, **options).remote(
+            [p for p in args.reward_pretrain.split(",") if p], args.normalize_reward))
+    return trainers, critics, engines, reward_models
+
+
+def setup_group(roles, members, num_training_steps):
+    addr, port = roles.get(members[0].address.remote())
+    roles.get([m.setup.remote(addr, port, num_training_steps) for m in members])
+
+
+def generate(roles, engines, prompts, sampling, seeds):
+    """Split the prompts over the engines; one list of Sample per prompt, in order."""
+    per = math.ceil(len(prompts) / len(engines))
+    futures = [e.generate.remote([p["prompt_ids"] for p in prompts[i * per : (i + 1) * per]], sampling,
+                                 seeds[i * per : (i + 1) * per])
+               for i, e in enumerate(engines) if prompts[i * per : (i + 1) * per]]
+    return [group for chunk in roles.get(futures) for group in chunk]
+
+
+def compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer):
+    """One scalar reward per sample, shape (prompts, n): reward file / URL plus reward models."""
+    queries = [p["prompt_text"] + s.text for p, g in zip(prompts, groups) for s in g]
+    prompt_texts = [p["prompt_text"] for p, g in zip(prompts, groups) for _ in g]
+    labels = [p["label"] for p, g in zip(prompts, groups) for _ in g]
+    total = torch.zeros(len(queries))
+    if reward_fn is not None:
+        total += reward_fn(queries, prompt_texts, labels)
+    if reward_models is not None:  # the RM reads prompt + response + EOS, as rm.py trained it
+        texts = [p["prompt_text"] + tokenizer.decode(s.output_ids) for p, g in zip(prompts, groups) for s in g]
+        total += torch.tensor(roles.get(reward_models.score.remote(texts)))
+    return total.view(len(prompts), -1)
+
+
+def overlong_penalty(length, max_len, buffer, factor):
+    """DAPO: the reward lost by a response of `length` tokens that runs into the last `buffer` tokens."""
+    over = length - (max_len - buffer)
+    return min(max(over, 0), buffer) / buffer * factor if buffer > 0 else 0.0
+
+
+@torch.no_grad()
+def evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer):
+    n = args.eval_n_samples_per_prompt
+    sampling = SamplingArgs(n=n, temperature=args.eval_temperature, max_new_tokens=args.generate_max_len)
+    groups = generate(roles, engines, eval_prompts, sampling,
+                      [args.train.seed + 7919 * i for i in range(len(eval_prompts))])
+    rewards = compute_rewards(roles, reward_fn, reward_models, eval_prompts, groups, tokenizer)
+    return {"eval/pass@1": rewards.mean().item(), f"eval/pass@{n}": rewards.max(1).values.mean().item(),
+            "eval/response_length": sum(len(s.output_ids) for g in groups for s in g) / rewards.numel()}
+
+
+def split_steps(samples, args, step, ranks):
+    """Epochs x optimizer steps of --train_batch_size samples (a seeded shuffle), each split over `ranks`."""
+    per_rank, B, per_step = [[] for _ in range(ranks)], args.train.train_batch_size, len(samples)
+    for epoch in range(args.train.max_epochs):
+        order = torch.randperm(per_step, generator=torch.Generator().manual_seed(args.train.seed + 1000 * step + epoch))
+        for k in range(per_step // B):
+            chosen = [samples[i] for i in order[k * B : (k + 1) * B].tolist()]
+            for r in range(ranks):
+                per_rank[r].append(chosen[r * (B // ranks) : (r + 1) * (B // ranks)])
+    return per_rank
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------
+def main(args: Args):
+    import ray
+
+    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    critic_world = args.critic_num_nodes * args.critic_num_gpus_per_node
+    tokenizer = load_tokenizer(args.model.pretrain, args)
+    prompts = load_prompts(args.prompt_data, args.prompt_split, args, tokenizer, args.max_samples)
+    eval_prompts = args.eval_dataset and load_prompts(args.eval_dataset, args.eval_split, args, tokenizer, 10**9)
+    reward_fn = None
+    if args.remote_rm_url:
+        from common.remote_reward import make_reward_fn
+
+        reward_fn = make_reward_fn(args.remote_rm_url, token=args.remote_rm_token, flag="--remote_rm_url")
+        reward_fn([], [], [])  # an empty batch checks the URL and token (or the file) before any model starts
+    n, per_step = args.n_samples_per_prompt, args.rollout_batch_size * args.n_samples_per_prompt
+    total_steps = args.num_episodes * len(prompts) // args.rollout_batch_size
+    if args.max_steps > 0:
+        total_steps = min(total_steps, args.max_steps)
+    steps_per_episode = max(len(prompts) // args.rollout_batch_size, 1)
+    if total_steps < 1:
+        raise ValueError(f"{len(prompts)} prompts x --num_episodes {args.num_episodes} is fewer than one "
+                         f"--rollout_batch_size {args.rollout_batch_size}")
+    updates_per_rollout = per_step // args.train.train_batch_size * args.train.max_epochs
+    print(critic_source(args))
+
+    if args.ray_address:
+        ray.init(address=args.ray_address, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    else:  # a local Ray: logical CPUs for every role even on a 2-core machine
+        ray.init(num_cpus=max(os.cpu_count() or 1, 2 * (world + critic_world) + args.vllm_num_engines + 1),
+                 include_dashboard=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": ROOT, "TOKENIZERS_PARALLELISM": "false"}})
+    roles = Roles()
+    trainers, critics, engines, reward_models = place_models(args, world, critic_world, tokenizer.pad_token_id, roles)
+    roles.ready(args.startup_timeout)  # every role is up before anyone waits on another in a rendezvous
+    setup_group(roles, trainers, max(total_steps - args.freezing_actor_steps, 1) * updates_per_rollout)
+    setup_group(roles, critics, total_steps * updates_per_rollout)
+    roles.get([t.setup_weight_sync.remote(engines) for t in trainers])
+
+    state = {"global_step": 0, "consumed_prompts": 0, "best_pass1": -math.inf}
+    if args.ckpt.load_checkpoint:
+        loaded = roles.get([t.load_checkpoint.remote() for t in trainers])[0]
+        if loaded:
+            state.update(loaded["ppo_state"])
+            roles.get([c.load_checkpoint.remote(state["global_step"]) for c in critics])
+            roles.get([t.sync_weights.remote() for t in trainers])  # the engines still hold the start weights
+        print(f"resumed from {args.ckpt.ckpt_path} at step {state['global_step']}" if loaded else
+              f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
+    logger = MetricsLogger(args.log, asdict(args), True)
+    if eval_prompts and state["global_step"] == 0:
+        metrics = evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer)
+        print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        logger.log(metrics, 0)
+
+    sampling = SamplingArgs(n=n, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.generate_max_len)
+    bar = progress(range(state["global_step"], total_steps), desc="ppo", initial=state["global_step"],
+                   total=total_steps)
+    for step in bar:
+        t_step, timing = time.time(), {}
+        actor_frozen = step < args.freezing_actor_steps
+        phases = progress(total=6, desc=f"step {step + 1}", leave=False, position=1)
+
+        def phase(name, t0):
+            timing[f"time/{name}"] = timing.get(f"time/{name}", 0.0) + time.time() - t0
+            phases.set_postfix_str(name)
+
+        # 1-2. sample prompts, generate n responses each, reward them (refilling dropped groups)
+        kept, dropped, rounds = [], [], 0
+        while len(kept) < args.rollout_batch_size and rounds < max(1, args.dynamic_filtering_max_rounds):
+            need, rounds = args.rollout_batch_size - len(kept), rounds + 1
+            positions = range(state["consumed_prompts"], state["consumed_prompts"] + need)
+            batch_prompts = [prompt_at(prompts, i, args.train.seed) for i in positions]
+            state["consumed_prompts"] += need
+            t0 = time.time()
+            # a seed per prompt position: the same samples whatever the engine count or batching (resume is exact)
+            groups = generate(roles, engines, batch_prompts, sampling,
+                              [args.train.seed * 1_000_003 + i for i in positions])
+            phase("generate", t0)
+            t0 = time.time()
+            rewards = compute_rewards(roles, reward_fn, reward_models, batch_prompts, groups, tokenizer)
+            phase("reward", t0)
+            for p, g, r in zip(batch_prompts, groups, rewards):
+                all_equal = bool((r == r[0]).all())
+                (dropped if args.dynamic_filtering and all_equal else kept).append((p, g, r))
+            if not args.dynamic_filtering:
+                break
+        kept += dropped[: args.rollout_batch_size - len(kept)]  # rounds ran out: equal-reward groups carry no signal
+        phases.update(2)
+
+        raw_rewards = torch.stack([r for _, _, r in kept])
+        samples = []
+        for p, g, r in kept:
+            for s, reward in zip(g, r.tolist()):
+                penalty = overlong_penalty(len(s.output_ids), args.generate_max_len, args.overlong_buffer_len,
+                                           args.overlong_penalty_factor)
+                samples.append({"prompt_ids": p["prompt_ids"], "response_ids": list(s.output_ids),
+                                "vllm_logps": list(s.logprobs), "reward": reward - penalty,
+                                "masked": args.mask_truncated_responses and s.finish_reason == "length"})
+
+        # 3. before the update: actor log-probs (old, unless single_update), reference log-probs, critic values
+        t0 = time.time()
+        shard, policy_pass = per_step // world, not single_update(args)
+        actor_refs = []
+        if policy_pass or args.init_kl_coef > 0:
+            actor_refs = [t.logprobs.remote(samples[r * shard : (r + 1) * shard], policy_pass)
+                          for r, t in enumerate(trainers)]
+        cshard = per_step // critic_world
+        critic_refs = [c.values.remote(samples[r * cshard : (r + 1) * cshard]) for r, c in enumerate(critics)]
+        outs, critic_outs = roles.get(actor_refs), roles.get(critic_refs)
+        for r, out in enumerate(outs):
+            for k, s in enumerate(samples[r * shard : (r + 1) * shard]):
+                if policy_pass:
+                    s["old_logps"] = out["old_logps"][k]
+                if out["ref_logps"]:
+                    s["ref_logps"] = out["ref_logps"][k]
+        for r, values in enumerate(critic_outs):
+            for k, s in enumerate(samples[r * cshard : (r + 1) * cshard]):
+                s["values"] = values[k]
+        phase("logprobs_values", t0)
+        phases.update(1)
+
+        # 4. per-token rewards -> GAE advantages (lambd) and returns (lambd_critic), on the driver
+        rewards = torch.tensor([s["reward"] for s in samples]).clamp(*args.reward_clip_range)
+        kl_in_reward = args.init_kl_coef > 0 and not args.use_kl_loss
+        kls = [args.init_kl_coef * approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]),
+                                             args.kl_estimator)
+               if kl_in_reward else torch.zeros(len(s["response_ids"])) for s in samples]
+        masks = [torch.full((len(s["response_ids"]),), 0.0 if s["masked"] else 1.0) for s in samples]
+        values = [torch.tensor(s["values"]) for s in samples]
+        advantages, returns = advantages_and_returns(rewards, kls, values, masks, args.gamma, args.lambd,
+                                                     args.lambd_critic)
+        for s, a, ret in zip(samples, advantages, returns):
+            s["advantages"], s["returns"] = a.tolist(), ret.tolist()
+        flat_mask = torch.cat(masks).bool()
+        explained = explained_variance(torch.cat(values)[flat_mask], torch.cat(returns)[flat_mask])
+
+        # 5. updates: the critic always, the actor after --freezing_actor_steps; side by side
+        if args.vllm_enable_sleep:
+            roles.get([e.sleep.remote() for e in engines])
+        t0 = time.time()
+        critic_steps = split_steps(samples, args, step, critic_world)
+        refs = [c.train.remote(critic_steps[r]) for r, c in enumerate(critics)]
+        if not actor_frozen:
+            actor_steps = split_steps(samples, args, step, world)
+            refs += [t.train.remote(actor_steps[r]) for r, t in enumerate(trainers)]
+        results = roles.get(refs)
+        critic_metrics, actor_metrics = results[0], (results[critic_world] if not actor_frozen else {})
+        phase("train", t0)
+        phases.update(1)
+
+        # 6. push the new weights into every engine (unchanged while the actor is frozen)
+        if args.vllm_enable_sleep:
+            roles.get([e.wake_up.remote() for e in engines])
+        t0 = time.time()
+        sync = roles.get([t.sync_weights.remote() for t in trainers])[0] if not actor_frozen else {"bytes": 0}
+        phase("sync", t0)
+        phases.update(1)
+        phases.close()
+
+        # 7. log, evaluate, save
+        state["global_step"] = global_step = step + 1
+        lengths = [len(s["response_ids"]) for s in samples]
+        timing["time/critic_train"] = critic_metrics.pop("time_s")
+        critic_metrics.pop("vllm_logp_max_abs_diff")
+        metrics = {"train/reward": raw_rewards.mean().item(), "train/reward_std": raw_rewards.std().item(),
+                   "train/response_length": sum(lengths) / len(lengths),
+                   "train/truncated": sum(s["masked"] for s in samples) / len(samples),
+                   "train/dropped_groups": len(dropped), "train/sampling_rounds": rounds,
+                   "train/actor_frozen": float(actor_frozen), "train/advantage_abs": torch.cat(advantages)[
+                       flat_mask].abs().mean().item() if flat_mask.any() else 0.0,
+                   "critic/explained_variance": explained,
+                   "critic/values": torch.cat(values)[flat_mask].mean().item() if flat_mask.any() else 0.0,
+                   "critic/returns": torch.cat(returns)[flat_mask].mean().item() if flat_mask.any() else 0.0,
+                   "perf/sync_mb": sync["bytes"] / 2**20, "perf/samples_per_s": per_step / (time.time() - t_step),
+                   **{f"critic/{k}": v for k, v in critic_metrics.items()}}
+        if actor_metrics:
+            timing["time/actor_train"] = actor_metrics.pop("time_s")
+            metrics["check/vllm_logp_max_abs_diff"] = actor_metrics.pop("vllm_logp_max_abs_diff")
+            metrics.update({f"train/{k}": v for k, v in actor_metrics.items()})
+        elif policy_pass:  # a frozen actor still had its log-probs computed: the engines must match them
+            metrics["check/vllm_logp_max_abs_diff"] = max(
+                (torch.tensor(s["old_logps"]) - torch.tensor(s["vllm_logps"])).abs().max().item() for s in samples)
+        metrics.update(timing)
+        if all("ref_logps" in s and "old_logps" in s for s in samples):
+            metrics["train/kl"] = (sum(approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]),
+                                                 "k1").sum().item()
+                                       for s in samples) / sum(lengths))
+        bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", ev=f"{explained:.2f}")
+        if eval_prompts and eval_due(global_step, args.log.eval_steps, steps_per_episode, total_steps):
+            metrics.update(evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer))
+            bar.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
+                                                          if k.startswith(("eval/", "train/reward", "critic/exp"))))
+            if metrics["eval/pass@1"] > state["best_pass1"]:
+                state["best_pass1"] = metrics["eval/pass@1"]
+                roles.get([t.save_model.remote(os.path.join(args.ckpt.save_path, "best")) for t in trainers])
+        if global_step % args.log.logging_steps == 0 or "eval/pass@1" in metrics:
+            logger.log(metrics, global_step)
+        if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
+            # the critic first: the actor's `latest` is the commit point a resume reads
+            roles.get([c.save_checkpoint.remote(global_step, {"ppo_state": dict(state)}) for c in critics])
+            roles.get([t.save_checkpoint.remote(global_step, {"ppo_state": dict(state)}) for t in trainers])
+
+    roles.get([t.save_model.remote(args.ckpt.save_path) for t in trainers])
+    roles.get([c.save_model.remote(os.path.join(args.ckpt.save_path, "critic")) for c in critics])
+    print(f"saved {args.ckpt.save_path} (critic: {os.path.join(args.ckpt.save_path, 'critic')})")
+    logger.close()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    try:
+        parsed = parse_args()
+        hold_ckpt_path(parsed.ckpt)  # a second run on the same --ckpt_path stops here
+    except ValueError as e:  # argument mistakes: say what to fix, before Ray or any model starts
+        sys.exit(f"error: {e}")
+    try:
+        main(parsed)
+    except ValueError as e:  # data mistakes found before training
+        sys.exit(f"error: {e}")
+    except RoleFailed as e:  # a role died, raised or did not start: named, with its root cause
+        sys.exit(f"error: {e}")
+    finish()  # exit without interpreter teardown (see common.engine.finish)

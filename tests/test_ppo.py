@@ -1,0 +1,212 @@
+"""algos/ppo.py: GAE (several gamma / lambda, decoupled lambda, masked tokens skipped) and the clipped
+value loss against hand-computed values; the critic's per-token values packed = padded = the
+exported AutoModelForSequenceClassification; argument errors before Ray starts; and one end-to-end
+run (real Ray, vLLM, DeepSpeed on CPU: 2 actor ranks, 1 critic rank, 1 engine) that learns, warms
+the critic up with the actor frozen, exports both models, and resumes actor and critic exactly."""
+
+import os
+
+import pytest
+import torch
+
+from conftest import ROOT, load_algo, read_jsonl, run_script
+
+ppo = load_algo("ppo")
+REWARD = os.path.join(ROOT, "launch", "rewards", "exact_match.py")
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure functions
+# ----------------------------------------------------------------------------------------------
+def test_gae_by_hand():
+    rewards, values, mask = torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.5, 0.6, 0.7]), torch.ones(3)
+    # gamma = lambda = 1: A_t = R - V_t
+    assert torch.allclose(ppo.gae(rewards, values, mask, 1.0, 1.0), torch.tensor([0.5, 0.4, 0.3]), atol=1e-6)
+    # gamma 0.9, lambda 0.5: delta = [0.9 x 0.6 - 0.5, 0.9 x 0.7 - 0.6, 1 - 0.7] = [0.04, 0.03, 0.3];
+    # A_2 = 0.3, A_1 = 0.03 + 0.45 x 0.3 = 0.165, A_0 = 0.04 + 0.45 x 0.165 = 0.11425
+    assert torch.allclose(ppo.gae(rewards, values, mask, 0.9, 0.5), torch.tensor([0.11425, 0.165, 0.3]), atol=1e-6)
+    # lambda 0: one-step TD errors
+    assert torch.allclose(ppo.gae(rewards, values, mask, 0.9, 0.0), torch.tensor([0.04, 0.03, 0.3]), atol=1e-6)
+
+
+def test_gae_skips_tokens_that_are_not_the_models():
+    """Masked tokens (tool output inside a response) are not steps: the advantages of the model's tokens
+    are those of GAE over the model's tokens alone, whatever the values and rewards at masked tokens."""
+    torch.manual_seed(0)
+    mask = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    rewards, values = torch.randn(6), torch.randn(6)
+    for gamma, lambd in ((1.0, 1.0), (0.9, 0.5), (0.99, 0.95)):
+        adv = ppo.gae(rewards, values, mask, gamma, lambd)
+        alone = ppo.gae(rewards[[0, 1, 4]], values[[0, 1, 4]], torch.ones(3), gamma, lambd)
+        assert torch.allclose(adv[[0, 1, 4]], alone, atol=1e-6), (gamma, lambd)
+        assert adv[[2, 3, 5]].abs().max() == 0
+        other_values, other_rewards = values.clone(), rewards.clone()
+        other_values[[2, 3, 5]] += torch.tensor([5.0, -3.0, 7.0])
+        other_rewards[[2, 3, 5]] -= 2.0
+        assert torch.equal(ppo.gae(other_rewards, other_values, mask, gamma, lambd), adv)
+    # the scalar reward goes on the last model token, the KL only on model tokens
+    tr = ppo.token_rewards(1.0, torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    assert torch.allclose(tr, torch.tensor([-0.1, 0.8, 0.0, 0.0]), atol=1e-6)
+
+
+def test_decoupled_lambda_returns_and_whitened_advantages():
+    rewards = torch.tensor([1.0, 0.0])
+    kls = [torch.tensor([0.1, 0.2, 0.3]), torch.zeros(2)]
+    values = [torch.tensor([0.5, 0.6, 0.7]), torch.tensor([0.2, 0.4])]
+    masks = [torch.ones(3), torch.ones(2)]
+    adv, ret = ppo.advantages_and_returns(rewards, kls, values, masks, 1.0, 0.5, 1.0)
+    # lambda_critic 1, gamma 1: returns are the rewards-to-go of [-0.1, -0.2, 0.7] and of [0, 0]
+    assert torch.allclose(ret[0], torch.tensor([0.4, 0.5, 0.7]), atol=1e-6)
+    assert torch.allclose(ret[1], torch.zeros(2), atol=1e-6)
+    # advantages: lambda 0.5 GAE, whitened over all five model tokens
+    raw = torch.cat([ppo.gae(torch.tensor([-0.1, -0.2, 0.7]), values[0], masks[0], 1.0, 0.5),
+                     ppo.gae(torch.zeros(2), values[1], masks[1], 1.0, 0.5)])
+    assert torch.allclose(torch.cat(adv), (raw - raw.mean()) / (raw.std() + 1e-8), atol=1e-6)
+    # returns with lambda_critic 0.5 differ (they bootstrap from the values): R = A(0.5) + V
+    _, ret_half = ppo.advantages_and_returns(rewards, kls, values, masks, 1.0, 0.5, 0.5)
+    assert torch.allclose(ret_half[0], raw[:3] + values[0], atol=1e-6)
+    # gamma 0.9, lambda_critic 1: discounted returns, independent of the values
+    _, ret_g = ppo.advantages_and_returns(torch.tensor([1.0]), [torch.zeros(3)], [torch.tensor([9.0, -9.0, 3.0])],
+                                          [torch.ones(3)], 0.9, 0.95, 1.0)
+    assert torch.allclose(ret_g[0], torch.tensor([0.81, 0.9, 1.0]), atol=1e-6)
+
+
+def test_value_loss_clipped_by_hand():
+    values, old, returns = torch.tensor([1.0, 0.0, 1.0]), torch.zeros(3), torch.tensor([2.0, 1.0, 0.0])
+    loss, clipped = ppo.value_loss(values, old, returns, 0.5)
+    # token 0: plain (1 - 2)^2 = 1, clipped (0.5 - 2)^2 = 2.25 -> 1.125; token 1: both 1 -> 0.5;
+    # token 2: plain 1, clipped 0.25 -> the max is the plain one, 0.5
+    assert torch.allclose(loss, torch.tensor([1.125, 0.5, 0.5]), atol=1e-6)
+    assert clipped.tolist() == [1.0, 0.0, 0.0]
+    loss, clipped = ppo.value_loss(values, old, returns, 0.0)
+    assert torch.allclose(loss, torch.tensor([0.5, 0.5, 0.5])) and clipped.sum() == 0
+    assert ppo.explained_variance(returns, returns) == pytest.approx(1.0)
+    assert ppo.explained_variance(torch.full((3,), 0.3), returns) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_critic_values_packed_padded_and_as_sequence_classification(assets, tmp_path):
+    """token_values on packed rows = on padded rows (1e-5), and the value before token t is what
+    AutoModelForSequenceClassification gives for the prefix ids[:t] (the critic export's own forward)."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(f"{assets}/llama-0.5m", num_labels=1, pad_token_id=0,
+                                                               dtype=torch.float32).eval()
+    torch.nn.init.normal_(model.score.weight, std=0.5)
+    model.save_pretrained(tmp_path / "critic")
+    exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "critic", dtype=torch.float32).eval()
+    samples = [{"prompt_ids": [3, 20 + i, 21], "response_ids": [30 + (i * k) % 50 for k in range(2 + i)]}
+               for i in range(5)]
+    packed = ppo.make_batch(samples, 0, 64, False)
+    padded = ppo.collate([ppo.token_sample(s) for s in samples], 0, packing=False)
+    with torch.no_grad():
+        vp = ppo.unpack(ppo.token_values(exported, packed), packed)
+        vq = ppo.unpack(ppo.token_values(exported, padded), padded)
+        assert max((a - b).abs().max().item() for a, b in zip(vp, vq)) <= 1e-5
+        for s, v in zip(samples, vp):
+            ids = s["prompt_ids"] + s["response_ids"]
+            for t in range(len(s["prompt_ids"]), len(ids)):
+                want = exported(input_ids=torch.tensor([ids[:t]])).logits[0, 0].item()
+                assert abs(v[t].item() - want) <= 1e-5
+    assert max(v.abs().max().item() for v in vp) > 1e-2  # a real head, not zeros
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments: refused before Ray starts
+# ----------------------------------------------------------------------------------------------
+def test_argument_errors_and_critic_default(assets, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    required = ["--pretrain", f"{assets}/llama-0.5m", "--prompt_data", "d.jsonl", "--remote_rm_url", REWARD,
+                "--prompt_max_len", "48", "--generate_max_len", "16", "--rollout_batch_size", "16",
+                "--train_batch_size", "16", "--micro_train_batch_size", "8"]
+    args = ppo.parse_args(required)
+    assert args.critic_pretrain == f"{assets}/llama-0.5m" and args.critic_learning_rate == 9e-6
+    assert "a freshly initialised value head" in ppo.critic_source(args)
+    rm = AutoModelForSequenceClassification.from_pretrained(f"{assets}/llama-0.5m", num_labels=1)
+    rm.save_pretrained(tmp_path / "rm")
+    AutoTokenizer.from_pretrained(f"{assets}/llama-0.5m").save_pretrained(tmp_path / "rm")
+    args = ppo.parse_args([*required, "--reward_pretrain", f"{tmp_path / 'rm'},{assets}/qwen2-0.5m"])
+    assert args.critic_pretrain == str(tmp_path / "rm")  # the first reward model
+    assert "a reward model: its score head is the value head" in ppo.critic_source(args)
+    with pytest.raises(ValueError, match="--advantage_estimator group_norm: ppo.py learns a critic"):
+        ppo.parse_args([*required, "--advantage_estimator", "group_norm"])
+    with pytest.raises(ValueError, match=r"--critic_pretrain .*/nowhere: not a model directory"):
+        ppo.parse_args([*required, "--critic_pretrain", str(tmp_path / "nowhere")])
+    other = AutoTokenizer.from_pretrained(f"{assets}/llama-0.5m")
+    other.add_tokens(["<tool_output>"])
+    rm.save_pretrained(tmp_path / "other_tok")
+    other.save_pretrained(tmp_path / "other_tok")
+    with pytest.raises(ValueError, match="has another tokenizer than --pretrain"):
+        ppo.parse_args([*required, "--critic_pretrain", str(tmp_path / "other_tok")])
+    with pytest.raises(ValueError, match=r"--lambd_critic must be in \[0, 1\]"):
+        ppo.parse_args([*required, "--lambd_critic", "1.5"])
+    with pytest.raises(ValueError, match="critic ranks"):
+        ppo.parse_args([*required, "--critic_num_gpus_per_node", "2"])
+    # through the real CLI: one `error:` line, before Ray starts
+    proc = run_script("ppo.py", [*required, "--advantage_estimator", "rloo"], expect_ok=False)
+    assert proc.returncode != 0 and "error: --advantage_estimator rloo" in proc.stderr
+    assert "Ray" not in proc.stdout + proc.stderr.split("error:")[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end: python algos/ppo.py (Ray driver), 2 actor ranks, 1 critic rank, 1 vLLM engine
+# ----------------------------------------------------------------------------------------------
+def ppo_args(assets, model, tmp, *extra):
+    return ["--pretrain", model, "--prompt_data", f"{assets}/data/reverse/rl_train.jsonl",
+            "--eval_dataset", f"{assets}/data/reverse/rl_test.jsonl", "--input_key", "prompt", "--label_key", "answer",
+            "--apply_chat_template", "--remote_rm_url", REWARD, "--n_samples_per_prompt", 4,
+            "--rollout_batch_size", 32, "--train_batch_size", 64, "--micro_train_batch_size", 16,
+            "--micro_rollout_batch_size", 16, "--actor_num_gpus_per_node", 2, "--critic_num_gpus_per_node", 1,
+            "--actor_learning_rate", 1e-4, "--critic_learning_rate", 1e-3,
+            "--prompt_max_len", 48, "--generate_max_len", 16, "--max_model_len", 128,
+            "--eval_temperature", 0, "--eval_n_samples_per_prompt", 1, "--eval_steps", 10,
+            "--save_path", tmp / "out", "--metrics_file", tmp / "metrics.jsonl", *extra]
+
+
+def test_ppo_learns_reversal_warms_up_the_critic_and_resumes(assets, rl_start_model, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    run_script("ppo.py", ppo_args(assets, rl_start_model, tmp_path, "--max_steps", 20, "--freezing_actor_steps", 2,
+                                  "--save_steps", 10, "--ckpt_path", tmp_path / "ckpt"), timeout=900)
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    steps = {m["step"]: m for m in metrics if "train/reward" in m}
+    evals = [m["eval/pass@1"] for m in metrics if "eval/pass@1" in m]
+    assert len(steps) == 20 and len(evals) == 3
+    assert evals[-1] - evals[0] >= BAR, evals  # see README: measured over seeds
+    # the critic learns to predict the returns (explained variance starts below 0: a fresh head)
+    ev = [steps[s]["critic/explained_variance"] for s in sorted(steps)]
+    assert sum(ev[-5:]) / 5 > 0.05 and sum(ev[-5:]) / 5 > ev[0], ev
+    # --freezing_actor_steps 2: steps 1-2 train the critic only and sync nothing; the actor's log-probs
+    # before step 3 still equal vLLM's of the start weights, so the actor did not move
+    for s in (1, 2):
+        assert steps[s]["train/actor_frozen"] == 1.0 and "train/policy_loss" not in steps[s]
+        assert steps[s]["critic/grad_norm"] > 0 and steps[s]["perf/sync_mb"] == 0
+    assert steps[3]["train/actor_frozen"] == 0.0 and "train/policy_loss" in steps[3]
+    diffs = [m["check/vllm_logp_max_abs_diff"] for m in steps.values()]
+    assert len(diffs) == 20 and max(diffs) <= 1e-4, diffs
+    assert all(steps[s][f"time/{p}"] > 0 for s in steps for p in ("generate", "logprobs_values", "critic_train"))
+    # exports: the actor a causal LM, the critic an AutoModelForSequenceClassification (its weights moved)
+    critic = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "critic")
+    assert critic.config.num_labels == 1 and critic.score.weight.shape[0] == 1
+    assert os.path.exists(tmp_path / "out" / "best" / "config.json")
+
+    # resume from step 10 (as if the run had died after saving it): steps 11-12 of actor and critic
+    # reproduce the uninterrupted run
+    (tmp_path / "metrics.jsonl").unlink()
+    for role in ("actor", "critic"):
+        (tmp_path / "ckpt" / role / "latest").write_text("global_step10")
+    proc = run_script("ppo.py", ppo_args(assets, rl_start_model, tmp_path / "resumed", "--max_steps", 12,
+                                         "--freezing_actor_steps", 2, "--load_checkpoint", "--ckpt_path",
+                                         tmp_path / "ckpt"), timeout=900)
+    assert "resumed from" in proc.stdout and "at step 10" in proc.stdout
+    resumed = {m["step"]: m for m in read_jsonl(tmp_path / "resumed" / "metrics.jsonl") if "train/reward" in m}
+    assert sorted(resumed) == [11, 12]
+    for s in (11, 12):
+        assert resumed[s]["train/reward"] == steps[s]["train/reward"]
+        for key in ("train/policy_loss", "critic/value_loss", "critic/explained_variance"):
+            assert abs(resumed[s][key] - steps[s][key]) <= 1e-5, (s, key)
+    assert max(m["check/vllm_logp_max_abs_diff"] for m in resumed.values()) <= 1e-4  # engines got the resumed actor
+
+
+BAR = 0.05
