@@ -599,7 +599,7 @@ def place_models(args, world, pad_id, roles):
     """Ray actors: trainers, vLLM engines, reward models; colocated in one placement group, or apart.
     Each is added to `roles` under the name errors give it."""
     import ray
-    from ray.util.placement_group import placement_group
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from common.vllm_engine import create_vllm_actor
@@ -607,7 +607,17 @@ def place_models(args, world, pad_id, roles):
     gpu = ray.cluster_resources().get("GPU", 0) > 0
     share = 0.2 if args.colocate_all_models else 1  # up to five roles share one device when colocated
     bundles = [{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(world)]
-    pg = placement_group(bundles, strategy="PACK")
+    selectors = None
+    if args.actor_num_nodes > 1:  # PACK alone may fill one node: pick distinct nodes, then pin each rank's bundle
+        per_node = args.actor_num_gpus_per_node
+        probe = placement_group([{k: v * per_node for k, v in bundles[0].items()}] * args.actor_num_nodes,
+                                strategy="STRICT_SPREAD")
+        roles.get(probe.ready(), timeout_s=args.startup_timeout)
+        node_ids = placement_group_table(probe)["bundles_to_node_id"]
+        remove_placement_group(probe)
+        selectors = [{"ray.io/node-id": node_ids[r // per_node]} for r in range(world)]
+        print(f"trainer group: {world} ranks on {args.actor_num_nodes} nodes, {per_node} per node")
+    pg = placement_group(bundles, strategy="PACK", bundle_label_selector=selectors)
     roles.get(pg.ready(), timeout_s=args.startup_timeout)
 
     def in_bundle(i):
