@@ -158,7 +158,7 @@ def ppo_args(assets, model, tmp, *extra):
             "--apply_chat_template", "--remote_rm_url", REWARD, "--n_samples_per_prompt", 4,
             "--rollout_batch_size", 32, "--train_batch_size", 64, "--micro_train_batch_size", 16,
             "--micro_rollout_batch_size", 16, "--actor_num_gpus_per_node", 2, "--critic_num_gpus_per_node", 1,
-            "--actor_learning_rate", 1e-4, "--critic_learning_rate", 1e-3,
+            "--max_epochs", 2, "--actor_learning_rate", 1e-4, "--critic_learning_rate", 1e-3,
             "--prompt_max_len", 48, "--generate_max_len", 16, "--max_model_len", 128,
             "--eval_temperature", 0, "--eval_n_samples_per_prompt", 1, "--eval_steps", 10,
             "--save_path", tmp / "out", "--metrics_file", tmp / "metrics.jsonl", *extra]
@@ -173,7 +173,8 @@ def test_ppo_learns_reversal_warms_up_the_critic_and_resumes(assets, rl_start_mo
     steps = {m["step"]: m for m in metrics if "train/reward" in m}
     evals = [m["eval/pass@1"] for m in metrics if "eval/pass@1" in m]
     assert len(steps) == 20 and len(evals) == 3
-    assert evals[-1] - evals[0] >= BAR, evals  # see README: measured over seeds
+    # greedy exact match on 200 held-out prompts; measured 0.66 -> 0.76 / 0.73 / 0.745 (seeds 42 / 1 / 2)
+    assert evals[-1] - evals[0] >= 0.04, evals
     # the critic learns to predict the returns (explained variance starts below 0: a fresh head)
     ev = [steps[s]["critic/explained_variance"] for s in sorted(steps)]
     assert sum(ev[-5:]) / 5 > 0.05 and sum(ev[-5:]) / 5 > ev[0], ev
@@ -208,5 +209,3 @@ def test_ppo_learns_reversal_warms_up_the_critic_and_resumes(assets, rl_start_mo
             assert abs(resumed[s][key] - steps[s][key]) <= 1e-5, (s, key)
     assert max(m["check/vllm_logp_max_abs_diff"] for m in resumed.values()) <= 1e-4  # engines got the resumed actor
 
-
-BAR = 0.05
