@@ -176,6 +176,15 @@ class Args:
     """Sampling rounds per step for --dynamic_filtering; then the batch is topped up with dropped groups."""
     mask_truncated_responses: bool = False
     """Responses cut off at --generate_max_len carry no loss (actor and critic)."""
+    # -- PPO-ptx
+    pretrain_data: Optional[str] = None
+    """PPO-ptx: plain-text dataset whose language-modelling loss is mixed into every actor micro-batch."""
+    pretrain_split: str = "train"
+    """Split of --pretrain_data."""
+    pretrain_input_key: str = "text"
+    """Field of --pretrain_data holding the text (cut to --prompt_max_len + --generate_max_len tokens)."""
+    ptx_coef: float = 0.05
+    """Weight of the --pretrain_data loss (the token mean of each micro-batch) in the actor's loss."""
     # -- advantages and the loss
     advantage_estimator: str = "gae"
     """Only gae (generalised advantage estimation with the critic); the critic-free estimators are grpo.py's."""
@@ -249,8 +258,8 @@ def parse_args(argv=None):
     for name in ("gamma", "lambd", "lambd_critic"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise ValueError(f"--{name} must be in [0, 1], got {getattr(args, name)}")
-    if args.value_clip < 0 or args.freezing_actor_steps < 0:
-        raise ValueError("--value_clip and --freezing_actor_steps must be >= 0")
+    if args.value_clip < 0 or args.freezing_actor_steps < 0 or args.ptx_coef < 0:
+        raise ValueError("--value_clip, --freezing_actor_steps and --ptx_coef must be >= 0")
     if not (args.remote_rm_url or args.reward_pretrain):
         raise ValueError("no reward: give --remote_rm_url (a .py reward file or an HTTP URL) and/or --reward_pretrain")
     if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
@@ -428,9 +437,16 @@ def single_update(args):
     return one_step and not (args.init_kl_coef > 0 and not args.use_kl_loss)
 
 
-def micro_batch_loss(model, batch, args, normaliser, scale=1.0):
+def ptx_loss(model, batch):
+    """PPO-ptx: the token-mean language-modelling loss of a collated micro-batch of pretraining text."""
+    logps, _ = token_logps(model, batch)
+    return -(logps * batch["loss_mask"]).sum() / batch["loss_mask"].sum().clamp(min=1)
+
+
+def micro_batch_loss(model, batch, args, normaliser, scale=1.0, ptx_batch=None):
     """The actor's loss of one collated micro-batch, divided by the step's normaliser (times `scale`, which
-    undoes DeepSpeed's averaging); returns (loss, metric sums)."""
+    undoes DeepSpeed's averaging), plus --ptx_coef x the LM loss of `ptx_batch` (DeepSpeed's averaging makes
+    that the mean over the step's micro-batches); returns (loss, metric sums)."""
     logps, outputs = token_logps(model, batch)
     mask = batch["loss_mask"]
     old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
@@ -453,7 +469,12 @@ def micro_batch_loss(model, batch, args, normaliser, scale=1.0):
     pieces["clip_ratio"] = aggregate(clipped, mask, batch["sample_index"], batch["num_samples"], mode)
     metrics = {k: v.item() for k, v in pieces.items()}
     metrics["vllm_logp_max_abs_diff"] = ((old_logps - batch["vllm_logps"]).abs() * mask).max().item()
-    return total * scale / normaliser, metrics
+    total = total * scale / normaliser
+    if ptx_batch is not None:
+        lm = ptx_loss(model, ptx_batch)
+        metrics["ptx_loss"] = lm.item() * normaliser / ptx_batch["num_micro"]  # summed / normaliser: the step's mean
+        total = total + args.ptx_coef * lm
+    return total, metrics
 
 
 def token_values(model, batch, value_head_prefix="score"):
@@ -499,6 +520,39 @@ def make_batch(samples, pad_id, max_tokens, flash, values=()):
             laid[r, start + p : start + n] = torch.as_tensor(s[key], dtype=torch.float32)
         batch[key] = laid
     return batch
+
+
+def ptx_batch(rows, pad_id, max_tokens, flash, num_micro):
+    """Collated pretraining rows (loss on every token), tagged with the step's micro-batch count."""
+    batch = collate(rows, pad_id, packing=True, max_tokens=max_tokens, one_row=flash)
+    batch["num_micro"] = num_micro
+    return batch
+
+
+def load_ptx(args: Args, tokenizer):
+    """PPO-ptx rows {input_ids, loss_mask}: each text + EOS, cut to --prompt_max_len + --generate_max_len."""
+    raw, rows = load_one(args.pretrain_data, args.pretrain_split), []
+    limit = args.prompt_max_len + args.generate_max_len
+    for i in range(len(raw)):
+        text = raw[i].get(args.pretrain_input_key)
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{args.pretrain_data}: row {i}: missing or empty field {args.pretrain_input_key!r} "
+                             f"(--pretrain_input_key)")
+        ids = tokenizer(text + tokenizer.eos_token, add_special_tokens=True)["input_ids"][:limit]
+        rows.append({"input_ids": ids, "loss_mask": [1] * len(ids)})
+    return rows
+
+
+def ptx_steps_for(ptx, per_rank_steps, position, seed):
+    """Pretraining rows for each rank's optimizer steps (as many as its samples), read in a seeded order of the
+    rows from stream position `position` on; returns them and the new position."""
+    out = []
+    for steps in per_rank_steps:
+        out.append([])
+        for samples in steps:
+            out[-1].append([prompt_at(ptx, position + i, seed) for i in range(len(samples))])
+            position += len(samples)
+    return out, position
 
 
 def reference_args(args: Args):
@@ -562,24 +616,31 @@ class GroupMember:
             torch.distributed.barrier()
         return load_checkpoint(self.engine, self.ckpt_dir)
 
-    def train_steps(self, steps, values, loss_fn):
-        """steps: this rank's samples of each optimizer step. Returns the step-averaged metrics (rank 0)."""
+    def train_steps(self, steps, values, loss_fn, ptx_steps=None):
+        """steps: this rank's samples of each optimizer step (ptx_steps: its pretraining rows, as many).
+        Returns the step-averaged metrics (rank 0)."""
         args, engine, t0 = self.args, self.engine, time.time()
         micro = args.train.micro_train_batch_size
         gas = accumulation_steps(args.train.train_batch_size, micro, self.world)
         totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
-        for samples in steps:
+        for k, samples in enumerate(steps):
             max_tokens = self.max_tokens(samples)
             batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, max_tokens, self.flash, values),
                                  device())
                        for i in range(0, len(samples), micro)]
+            ptx = [None] * len(batches)
+            if ptx_steps:
+                rows = ptx_steps[k]
+                ptx = [to_device(ptx_batch(rows[i : i + micro], self.pad_id, max_tokens, self.flash, gas * self.world),
+                                 device()) for i in range(0, len(rows), micro)]
             tokens, sequences = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in batches),
                                                 sum(not s.get("masked") for s in samples)])
             normaliser = float(max(tokens if args.loss_agg == "token" else sequences, 1))
             lrs.append(engine.get_lr()[0])
             step_metrics = {}
-            for batch in batches:
-                loss, metrics = loss_fn(engine, batch, args, normaliser, scale=gas * self.world)
+            for batch, ptx_b in zip(batches, ptx):
+                extra = {"ptx_batch": ptx_b} if ptx_b is not None else {}
+                loss, metrics = loss_fn(engine, batch, args, normaliser, scale=gas * self.world, **extra)
                 engine.backward(loss)
                 grad_norm = optimizer_step(engine)
                 vllm_diff = max(vllm_diff, metrics.pop("vllm_logp_max_abs_diff", 0.0))
@@ -643,11 +704,11 @@ class PolicyTrainer(GroupMember):
         self.engine.train()
         return out
 
-    def train(self, steps):
+    def train(self, steps, ptx_steps=None):
         args = self.args
         values = (["advantages", "vllm_logps"] + ([] if single_update(args) else ["old_logps"])
                   + (["ref_logps"] if args.use_kl_loss else []))
-        return self.train_steps(steps, values, micro_batch_loss)
+        return self.train_steps(steps, values, micro_batch_loss, ptx_steps)
 
     def save_model(self, path):
         tokenizer = load_tokenizer(self.args.model.pretrain, self.args)
@@ -865,6 +926,7 @@ def main(args: Args):
     tokenizer = load_tokenizer(args.model.pretrain, args)
     prompts = load_prompts(args.prompt_data, args.prompt_split, args, tokenizer, args.max_samples)
     eval_prompts = args.eval_dataset and load_prompts(args.eval_dataset, args.eval_split, args, tokenizer, 10**9)
+    ptx = load_ptx(args, tokenizer) if args.pretrain_data else None
     reward_fn = None
     if args.remote_rm_url:
         from common.remote_reward import make_reward_fn
@@ -895,7 +957,7 @@ def main(args: Args):
     setup_group(roles, critics, total_steps * updates_per_rollout)
     roles.get([t.setup_weight_sync.remote(engines) for t in trainers])
 
-    state = {"global_step": 0, "consumed_prompts": 0, "best_pass1": -math.inf}
+    state = {"global_step": 0, "consumed_prompts": 0, "consumed_ptx": 0, "best_pass1": -math.inf}
     if args.ckpt.load_checkpoint:
         loaded = roles.get([t.load_checkpoint.remote() for t in trainers])[0]
         if loaded:
@@ -1000,7 +1062,11 @@ def main(args: Args):
         refs = [c.train.remote(critic_steps[r]) for r, c in enumerate(critics)]
         if not actor_frozen:
             actor_steps = split_steps(samples, args, step, world)
-            refs += [t.train.remote(actor_steps[r]) for r, t in enumerate(trainers)]
+            ptx_steps = [None] * world
+            if ptx:
+                ptx_steps, state["consumed_ptx"] = ptx_steps_for(ptx, actor_steps, state["consumed_ptx"],
+                                                                 args.train.seed)
+            refs += [t.train.remote(actor_steps[r], ptx_steps[r]) for r, t in enumerate(trainers)]
         results = roles.get(refs)
         critic_metrics, actor_metrics = results[0], (results[critic_world] if not actor_frozen else {})
         phase("train", t0)

@@ -209,3 +209,51 @@ def test_ppo_learns_reversal_warms_up_the_critic_and_resumes(assets, rl_start_mo
             assert abs(resumed[s][key] - steps[s][key]) <= 1e-5, (s, key)
     assert max(m["check/vllm_logp_max_abs_diff"] for m in resumed.values()) <= 1e-4  # engines got the resumed actor
 
+
+
+def test_ptx_loss_mixed_into_the_actor_step(assets):
+    """PPO-ptx: with --ptx_coef 0 the step (loss, gradients) is the step without pretraining data; with a
+    coefficient the loss is PPO + coef x the LM loss of the ptx micro-batch; optimising it lowers that loss."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m", dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(f"{assets}/llama-0.5m")
+    base = ppo.Args(pretrain_data=f"{assets}/data/reverse/pretrain_train.jsonl", prompt_max_len=24,
+                    generate_max_len=8)
+    rows = ppo.load_ptx(base, tokenizer)
+    assert len(rows) > 100 and max(len(r["input_ids"]) for r in rows) <= 32
+    assert rows[0]["input_ids"][-1] == tokenizer.eos_token_id and all(m == 1 for m in rows[0]["loss_mask"])
+    # each rank's step gets as many rows as samples, in a seeded stream that a resume continues
+    steps, position = ppo.ptx_steps_for(rows, [[[0] * 4, [0] * 4], [[0] * 4, [0] * 4]], 0, 42)
+    again, _ = ppo.ptx_steps_for(rows, [[[0] * 4, [0] * 4]], 8, 42)
+    assert position == 16 and [len(s) for s in steps[0]] == [4, 4] and again[0] == steps[1]
+    samples = [{"prompt_ids": [3, 20 + i, 21], "response_ids": [30 + (i * k) % 50 for k in range(2 + i)],
+                "advantages": torch.randn(2 + i).tolist(), "old_logps": (-torch.rand(2 + i) * 3).tolist(),
+                "vllm_logps": [0.0] * (2 + i)} for i in range(4)]
+    batch = ppo.make_batch(samples, 0, 64, False, ["advantages", "old_logps", "vllm_logps"])
+    pb = ppo.ptx_batch(steps[0][0], 0, 64, False, 1)
+
+    def step(args, ptx):
+        model.zero_grad()
+        loss, metrics = ppo.micro_batch_loss(model, batch, args, 20.0, **({"ptx_batch": ptx} if ptx else {}))
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()]), metrics
+
+    plain_loss, plain_grad, _ = step(base, None)
+    zero_loss, zero_grad, zero_metrics = step(dataclasses.replace(base, ptx_coef=0.0), pb)
+    assert zero_loss == plain_loss and torch.equal(zero_grad, plain_grad)
+    with torch.no_grad():
+        lm = ppo.ptx_loss(model, pb).item()
+    assert zero_metrics["ptx_loss"] == pytest.approx(lm * 20.0, rel=1e-5) and lm > 1.0  # summed as metrics are
+    mixed_loss, mixed_grad, _ = step(dataclasses.replace(base, ptx_coef=0.5), pb)
+    assert mixed_loss == pytest.approx(plain_loss + 0.5 * lm, abs=1e-5)
+    assert (mixed_grad - plain_grad).abs().max().item() > 1e-4
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(10):
+        step(dataclasses.replace(base, ptx_coef=1.0), pb)
+        optimizer.step()
+    with torch.no_grad():
+        assert ppo.ptx_loss(model, pb).item() < lm - 0.5
