@@ -235,7 +235,9 @@ def ring_attention_forward(module, query, key, value, attention_mask, scaling=No
     if query.shape[0] != 1 or attention_mask is not None or sliding_window or softcap or (dropout and module.training):
         raise ValueError("ring attention takes one packed row, full causal attention, no mask, softcap or dropout")
     ring_fn, _ = import_ring_flash_attn()
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (len, heads, dim)
+    # under CPU autocast the rotary embedding hands back fp32 queries and keys beside bf16 values: attend in fp32
+    dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # (len, heads, dim)
     p = ring_params
     out = ring_fn(q, k, v, p["cu_seqlens_q"], p["cu_seqlens_k"], p["max_seqlen_q"], p["max_seqlen_k"],
                   p["heads_k_stride"], p["local_k_slice"], dropout_p=0.0, softmax_scale=scaling, causal=True,
@@ -254,17 +256,13 @@ def _gather(x, ring):
     return all_gather_single_autograd(x.contiguous(), 0, ring.group)
 
 
-def ring_token_logps(model, batch, ring, return_argmax=False):
-    """`common.packing.token_logps` for a one-row batch split over `ring`: the same (logps, outputs[, argmax])
-    for the whole row on every rank of the ring (`outputs` are this rank's slice's model outputs).
-    With ring None, common.packing.token_logps itself."""
-    if ring is None:
-        return token_logps(model, batch, return_argmax=return_argmax)
+def _ring_forward(model, batch, ring):
+    """Forward this rank's slice of a one-row batch padded to a multiple of the ring size; returns the model
+    outputs, the padded row's input ids and the slice bounds [lo, hi)."""
     input_ids, position_ids = batch["input_ids"], batch["position_ids"]
     if input_ids.shape[0] != 1 or batch.get("attention_mask") is not None:
         raise ValueError("--ring_attn_size: each micro-batch must be one packed row (collate(..., one_row=True))")
-    width = input_ids.shape[1]
-    pad = -width % ring.size
+    pad = -input_ids.shape[1] % ring.size
     if pad:  # the pad tail is one more sample, its positions restarting at 0
         input_ids = F.pad(input_ids, (0, pad))
         position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device)[None]], 1)
@@ -277,6 +275,17 @@ def ring_token_logps(model, batch, ring, return_argmax=False):
               "local_k_slice": k_slice, "heads_k_stride": ring.head_stride, "group": ring.group}
     outputs = model(input_ids=input_ids[:, lo:hi], position_ids=position_ids[:, lo:hi], attention_mask=None,
                     use_cache=False, ring_params=params)
+    return outputs, input_ids, lo, hi
+
+
+def ring_token_logps(model, batch, ring, return_argmax=False):
+    """`common.packing.token_logps` for a one-row batch split over `ring`: the same (logps, outputs[, argmax])
+    for the whole row on every rank of the ring (`outputs` are this rank's slice's model outputs).
+    With ring None, common.packing.token_logps itself."""
+    if ring is None:
+        return token_logps(model, batch, return_argmax=return_argmax)
+    width = batch["input_ids"].shape[1]
+    outputs, input_ids, lo, hi = _ring_forward(model, batch, ring)
     logits = outputs.logits[0].float()
     targets = F.pad(input_ids[0], (0, 1))[lo + 1 : hi + 1]  # next tokens, taken from the whole row
     next_logps = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
@@ -287,6 +296,24 @@ def ring_token_logps(model, batch, ring, return_argmax=False):
         hits = _gather((logits.argmax(-1) == targets).float(), ring).detach()[None, : width - 1]
         return logps, outputs, F.pad(hits, (1, 0)).bool() & ~starts
     return logps, outputs
+
+
+def ring_sequence_rewards(model, batch, ring, value_head_prefix="score"):
+    """`common.reward.sequence_rewards` for a one-row batch split over `ring`: every rank's value-head outputs
+    are gathered over the ring (autograd), then read at each sample's last non-pad token. With ring None,
+    common.reward.sequence_rewards itself."""
+    from common.reward import reward_index, sequence_rewards, unwrap
+
+    if ring is None:
+        return sequence_rewards(model, batch, value_head_prefix)
+    hf_model, values = unwrap(model), []
+    handle = getattr(hf_model, value_head_prefix).register_forward_hook(lambda module, args, out: values.append(out))
+    try:
+        _ring_forward(model, batch, ring)
+    finally:
+        handle.remove()
+    flat = _gather(values[0][0, :, 0], ring)[: batch["input_ids"].shape[1]]
+    return flat[reward_index(batch, hf_model.config.pad_token_id)].float()
 
 
 def ring_response_logps(model, batch, ring):
