@@ -14,7 +14,8 @@ actors, and a reward-model actor when --reward_pretrain is given. On CPU every r
 "GPUs" in flag names count trainer ranks there. Each step reads top to bottom in `main`: prompts ->
 samples -> rewards -> actor log-probs before the update, reference log-probs, critic values ->
 per-token rewards (-beta x KL_t, the scalar reward on the last model token) -> GAE advantages and
-returns -> actor PPO update and critic value update (side by side) -> weight sync.
+returns -> actor PPO update (plus PPO-ptx's LM loss with --pretrain_data) and critic value update
+(side by side) -> weight sync.
 
 Differences from OpenRLHF, on purpose: GAE skips tokens that are not the model's own (they are not
 steps: values and the running sum carry across them; OpenRLHF zeroes them and runs GAE through,
