@@ -2,6 +2,7 @@
 grpo.py on a 2-node Ray cluster (two `ray start --block`, each with its own temp dir, ports and 2 CPUs) with the
 trainer group spanning both nodes. The first steps' numbers equal the one-node runs' to the stated tolerances."""
 
+import contextlib
 import glob
 import os
 import secrets
@@ -13,7 +14,7 @@ import tempfile
 import time
 
 import pytest
-from conftest import ROOT, read_jsonl, run_script
+from conftest import ROOT, read_jsonl
 
 pytestmark = pytest.mark.multinode
 REVERSE = f"{ROOT}/assets/data/reverse"
@@ -25,26 +26,39 @@ def free_port():
         return s.getsockname()[1]
 
 
+def start(name, cmd, tmp_path, env):
+    """Start a run in the background, its output in tmp_path/<name>.log (the runs of a test overlap: the
+    one-node reference beside the two "nodes")."""
+    log = open(tmp_path / f"{name}.log", "w")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+    return name, subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_all(runs, tmp_path, timeout=600):
+    """Wait for every run (together bounded by `timeout`); fail with the logs of those that failed."""
+    deadline = time.time() + timeout
+    try:
+        codes = {name: proc.wait(timeout=max(deadline - time.time(), 1)) for name, proc in runs}
+    finally:
+        for _, proc in runs:
+            proc.kill()
+    failed = {name: (tmp_path / f"{name}.log").read_text()[-3000:] for name, code in codes.items() if code}
+    assert not failed, failed
+
+
 def test_sft_on_two_nodes_equals_one_node(assets, tmp_path):
     """1 node x 1 rank (2 accumulation steps) vs 2 nodes x 1 rank: the same global batch of 32."""
     args = ["--pretrain", f"{assets}/llama-0.5m", "--dataset", f"{REVERSE}/sft_train.jsonl", "--input_key", "prompt",
             "--output_key", "response", "--apply_chat_template", "--max_len", 64, "--max_samples", 256,
             "--train_batch_size", 32, "--micro_train_batch_size", 16, "--learning_rate", 3e-3, "--zero_stage", 2]
-    run_script("sft.py", args + ["--metrics_file", tmp_path / "one.jsonl", "--save_path", tmp_path / "one"])
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "multinode-test",
-           "--rdzv_conf", "join_timeout=120", f"{ROOT}/algos/sft.py", *map(str, args),
-           "--metrics_file", str(tmp_path / "two.jsonl"), "--save_path", str(tmp_path / "two")]
-    logs = [open(tmp_path / f"node{i}.log", "w") for i in range(2)]
-    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) for log in logs]
-    try:
-        codes = [node.wait(timeout=300) for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert codes == [0, 0], [(tmp_path / f"node{i}.log").read_text()[-3000:] for i in range(2)]
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "multinode-test",
+            "--rdzv_conf", "join_timeout=120", f"{ROOT}/algos/sft.py", *args,
+            "--metrics_file", tmp_path / "two.jsonl", "--save_path", tmp_path / "two"]
+    wait_all([start("one", [sys.executable, f"{ROOT}/algos/sft.py", *args, "--metrics_file", tmp_path / "one.jsonl",
+                            "--save_path", tmp_path / "one"], tmp_path, {}),
+              start("node0", node, tmp_path, {}), start("node1", node, tmp_path, {})], tmp_path)
     one = [m["train/loss"] for m in read_jsonl(tmp_path / "one.jsonl") if "train/loss" in m]
     two = [m["train/loss"] for m in read_jsonl(tmp_path / "two.jsonl") if "train/loss" in m]
     assert len(one) == len(two) == 8  # 256 samples / 32
@@ -54,8 +68,8 @@ def test_sft_on_two_nodes_equals_one_node(assets, tmp_path):
     print(f"sft 2 nodes vs 1: max |loss diff| over {len(one)} steps {diff:.2e}")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
+@contextlib.contextmanager
+def two_node_ray():
     """A head and a worker node on this machine, 2 logical CPUs each, with a token of their own; stopped by
     signalling the two `ray start --block` processes (never `ray stop`, which would end other clusters here)."""
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
@@ -116,22 +130,26 @@ def trainer_logs(temp_dir):
             if ":actor_name:PolicyTrainer" in open(f, errors="replace").read()]
 
 
-def test_grpo_trainer_group_across_two_ray_nodes_equals_one_node(assets, rl_start_model, ray_cluster, tmp_path):
-    address, env, dirs = ray_cluster
+def test_grpo_trainer_group_across_two_ray_nodes_equals_one_node(assets, rl_start_model, tmp_path):
     args = ["--pretrain", rl_start_model, "--prompt_data", f"{REVERSE}/rl_train.jsonl", "--input_key", "prompt",
             "--label_key", "answer", "--apply_chat_template", "--remote_rm_url",
             f"{ROOT}/launch/rewards/exact_match.py", "--n_samples_per_prompt", 4, "--rollout_batch_size", 8,
             "--train_batch_size", 16, "--micro_train_batch_size", 8, "--micro_rollout_batch_size", 8,
             "--prompt_max_len", 48, "--generate_max_len", 16, "--max_model_len", 128, "--max_steps", 2,
             "--actor_learning_rate", 1e-4]
-    run_script("grpo.py", args + ["--actor_num_gpus_per_node", 2, "--metrics_file", tmp_path / "one.jsonl",
-                                  "--save_path", tmp_path / "one"], timeout=600)
-    proc = run_script("grpo.py", args + ["--actor_num_nodes", 2, "--actor_num_gpus_per_node", 1,
-                                         "--ray_address", address, "--metrics_file", tmp_path / "two.jsonl",
-                                         "--save_path", tmp_path / "two"], timeout=600, env=env)
-    assert "trainer group: 2 ranks on 2 nodes, 1 per node" in proc.stdout
-    # each Ray node ran one trainer rank (its own temp dir holds its workers' logs)
-    assert [len(trainer_logs(d)) for d in dirs] == [1, 1]
+    one = start("one", [sys.executable, f"{ROOT}/algos/grpo.py", *args, "--actor_num_gpus_per_node", 2,
+                        "--metrics_file", tmp_path / "one.jsonl", "--save_path", tmp_path / "one"], tmp_path, {})
+    try:
+        with two_node_ray() as (address, env, dirs):  # comes up while the one-node run starts
+            wait_all([one, start("two", [sys.executable, f"{ROOT}/algos/grpo.py", *args, "--actor_num_nodes", 2,
+                                         "--actor_num_gpus_per_node", 1, "--ray_address", address, "--metrics_file",
+                                         tmp_path / "two.jsonl", "--save_path", tmp_path / "two"], tmp_path, env)],
+                     tmp_path)
+            # each Ray node ran one trainer rank (its own temp dir holds its workers' logs)
+            assert [len(trainer_logs(d)) for d in dirs] == [1, 1]
+    finally:
+        one[1].kill()
+    assert "trainer group: 2 ranks on 2 nodes, 1 per node" in (tmp_path / "two.log").read_text()
     one = [m for m in read_jsonl(tmp_path / "one.jsonl") if "train/reward" in m]
     two = [m for m in read_jsonl(tmp_path / "two.jsonl") if "train/reward" in m]
     assert len(one) == len(two) == 2
