@@ -64,11 +64,12 @@ from common.data import (  # noqa: E402
 )
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
-    deepspeed_config, deepspeed_eval_config, default_attn_implementation, device, finish, hold_ckpt_path,
+    deepspeed_config, deepspeed_eval_config, device, finish, hold_ckpt_path,
     init_distributed, is_rank0, load_causal_lm, load_checkpoint, optimizer_step, parse_cli, save_checkpoint,
-    save_hf_model, script_ckpt_args, set_seed, validate_common_args, world_size_from_env,
+    save_hf_model, script_ckpt_args, set_seed, uses_bf16, validate_common_args, world_size_from_env,
 )
-from common.packing import collate, lockstep_shard, to_device  # noqa: E402
+from common.packing import collate, lockstep_shard, one_row_per_batch, to_device  # noqa: E402
+from common.varlen_attention import default_attn_implementation  # noqa: E402
 from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 from common.vllm_engine import (  # noqa: E402
     EngineArgs, EngineError, SamplingArgs, create_vllm_engine, default_max_num_seqs, resolve_max_model_len,
@@ -119,16 +120,12 @@ class Args:
     """Sampling temperature of the on-policy samples."""
     rendezvous_timeout: float = 120.0
     """Seconds the weight-sync group of the on-policy engine waits for its members (--lmbda > 0)."""
-    packing_samples: bool = True
-    """Bin-pack samples into rows without padding (--no_packing_samples: one padded sample per row)."""
-    pack_max_tokens: int = 0
-    """Longest packed row in tokens (0: --max_len)."""
 
 
 def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
     validate_common_args(args.model, args.train, args.ckpt, world_size_from_env())
-    validate_data_args(args.data)
+    validate_data_args(args.data, args.model.attn_implementation)
     if args.model.aux_loss_coef > 0:
         raise ValueError("--aux_loss_coef (MoE load balancing) is not implemented in distill.py")
     if not 0 <= args.kd_coef <= 1:
@@ -149,8 +146,6 @@ def parse_args(argv=None):
                          "must be a local directory")
     if args.generate_max_len < 1 or args.generate_temperature < 0:
         raise ValueError("--generate_max_len must be >= 1 and --generate_temperature >= 0")
-    if args.pack_max_tokens and args.pack_max_tokens < args.data.max_len:
-        raise ValueError(f"--pack_max_tokens {args.pack_max_tokens} must be >= --max_len {args.data.max_len}")
     if args.lmbda > 0:  # the engine holds a prompt (at most --max_len) and its sample
         args.vllm.max_model_len = resolve_max_model_len(args.model.pretrain, args.vllm.max_model_len,
                                                         args.data.max_len + args.generate_max_len)
@@ -204,10 +199,11 @@ def samples_of(ds, indices):
     return [{"input_ids": i, "loss_mask": m} for i, m in zip(rows["input_ids"], rows["loss_mask"])]
 
 
-def make_batch(samples, args, pad_id, flash):
-    """Packed rows (all in one row for flash-attention's varlen kernel), or padded rows."""
-    return collate(samples, pad_id, packing=args.packing_samples, max_tokens=args.pack_max_tokens or args.data.max_len,
-                   one_row=args.packing_samples and flash)
+def make_batch(samples, args, pad_id, one_row):
+    """Packed rows (one row with a per-sample attention kernel, see common.packing.one_row_per_batch), or
+    padded rows."""
+    return collate(samples, pad_id, packing=args.data.packing_samples,
+                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=one_row)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -460,14 +456,14 @@ def main(args: Args):
             teacher = create_eval_engine(load_causal_lm(teacher_args, config), config)
         return teacher
 
-    flash = (args.model.attn_implementation or default_attn_implementation()).startswith("flash")
-    batch_fn = lambda samples: make_batch(samples, args, pad_id, flash)  # noqa: E731
+    one_row = one_row_per_batch(args.model.attn_implementation)
+    batch_fn = lambda samples: make_batch(samples, args, pad_id, one_row)  # noqa: E731
     train_cache = eval_cache = None
     if args.teacher_cache:
         fingerprint = [teacher_fingerprint(args.teacher_model) if is_rank0() else None]
         dist.broadcast_object_list(fingerprint, src=0)
         key_parts = {"teacher": fingerprint[0], "top_k": args.teacher_top_k, "vocab": vocab,
-                     "dtype": "bfloat16" if torch.cuda.is_available() else "float32",
+                     "dtype": "bfloat16" if uses_bf16(args.train) else "float32",
                      "attn": args.model.attn_implementation or default_attn_implementation()}
         train_cache = cached_teacher(load_teacher, train_ds, args.teacher_cache, key_parts, args, vocab, batch_fn)
         if eval_ds:

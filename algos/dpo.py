@@ -46,12 +46,16 @@ from common.data import (  # noqa: E402
     tokenization_cache_key, validate_data_args,
 )
 from common.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, create_eval_engine, create_train_engine, deepspeed_config,
+    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, create_eval_engine, create_train_engine,
     deepspeed_eval_config, device, finish, hold_ckpt_path, init_distributed, is_rank0, load_causal_lm, load_checkpoint,
     optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args,
     world_size_from_env,
 )
-from common.packing import collate, per_sample_sum, response_logps, sharded_logps, to_device  # noqa: E402
+from common.packing import collate, one_row_per_batch, per_sample_sum, sharded_logps, to_device  # noqa: E402
+from common.ring_attention import (  # noqa: E402
+    RingArgs, check_ring_model, data_parallel, ring_deepspeed_config, ring_response_logps, setup_ring,
+    validate_ring_args,
+)
 from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 
 
@@ -68,6 +72,7 @@ class Args:
     data: PrefDataArgs = field(default_factory=PrefDataArgs)
     ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
     log: LogArgs = field(default_factory=LogArgs)
+    ring: RingArgs = field(default_factory=RingArgs)
     chosen_key: str = "chosen"
     """Field holding the preferred response (a string)."""
     rejected_key: str = "rejected"
@@ -86,16 +91,13 @@ class Args:
     """Keep the reference model's parameters on the CPU (ZeRO-3 inference)."""
     ref_cache: bool = True
     """Cache reference log-probs in one pass before training, then free the reference (--no_ref_cache: run it live)."""
-    packing_samples: bool = True
-    """Bin-pack samples into rows without padding (--no_packing_samples: one padded sample per row)."""
-    pack_max_tokens: int = 0
-    """Longest packed row in tokens (0: --max_len)."""
 
 
 def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
-    validate_common_args(args.model, args.train, args.ckpt, world_size_from_env())
-    validate_data_args(args.data)
+    dp_world = validate_ring_args(args.ring, world_size_from_env(), args.model, args.data)  # world / ring size
+    validate_common_args(args.model, args.train, args.ckpt, dp_world)
+    validate_data_args(args.data, args.model.attn_implementation)
     if args.beta <= 0:
         raise ValueError(f"--beta must be > 0, got {args.beta}")
     if not 0 <= args.label_smoothing < 0.5:
@@ -104,8 +106,6 @@ def parse_args(argv=None):
         raise ValueError("--label_smoothing applies to the sigmoid DPO loss, not to --ipo")
     if args.nll_loss_coef < 0:
         raise ValueError(f"--nll_loss_coef must be >= 0, got {args.nll_loss_coef}")
-    if args.pack_max_tokens and args.pack_max_tokens < args.data.max_len:
-        raise ValueError(f"--pack_max_tokens {args.pack_max_tokens} must be >= --max_len {args.data.max_len}")
     return args
 
 
@@ -139,10 +139,11 @@ def pair_samples(ds, indices):
             for key in ("chosen_ids", "rejected_ids") for p, r in zip(rows["prompt_ids"], rows[key])]
 
 
-def make_batch(samples, args, pad_id, flash):
-    """Packed rows (all in one row for flash-attention's varlen kernel), or padded rows."""
-    return collate(samples, pad_id, packing=args.packing_samples, max_tokens=args.pack_max_tokens or args.data.max_len,
-                   one_row=args.packing_samples and flash)
+def make_batch(samples, args, pad_id, one_row):
+    """Packed rows (one row with a per-sample attention kernel, see common.packing.one_row_per_batch), or
+    padded rows."""
+    return collate(samples, pad_id, packing=args.data.packing_samples,
+                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=one_row)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,7 +201,9 @@ def evaluate(engine, ref, eval_ds, eval_ref, args, batch_fn):
 # ----------------------------------------------------------------------------------------------
 def main(args: Args):
     init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
+    ring = setup_ring(args.ring)  # None without --ring_attn_size
+    dp_rank, dp_world = data_parallel(ring)  # the ranks of a ring share their samples
     set_seed(args.train.seed)
     tokenizer = load_tokenizer(args.model.pretrain, args.data)
 
@@ -228,8 +231,8 @@ def main(args: Args):
     ref_args = ModelArgs(pretrain=args.ref_pretrain or args.model.pretrain,
                          attn_implementation=args.model.attn_implementation, load_in_4bit=args.model.load_in_4bit)
     ref = create_eval_engine(load_causal_lm(ref_args, ref_config), ref_config)
-    flash = ref.module.config._attn_implementation.startswith("flash")
-    batch_fn = lambda samples: make_batch(samples, args, pad_id, flash)  # noqa: E731
+    one_row = ring is not None or one_row_per_batch(ref.module.config._attn_implementation)
+    batch_fn = lambda samples: make_batch(samples, args, pad_id, one_row)  # noqa: E731
     ref_cache = eval_ref_cache = None
     if args.ref_cache:
         t0 = time.time()
@@ -247,8 +250,9 @@ def main(args: Args):
             print(f"cached reference log-probs of {len(train_ds)} training and {len(eval_ds) if eval_ds else 0} eval "
                   f"pairs in {time.time() - t0:.1f}s; reference model freed")
 
-    ds_config = deepspeed_config(args.train, world)
+    ds_config = ring_deepspeed_config(args.train, world, ring)
     model = load_causal_lm(args.model, ds_config)
+    check_ring_model(model, ring)
     engine = create_train_engine(model, args.train, ds_config, total_steps)
     start_step = 0
     if args.ckpt.load_checkpoint:
@@ -266,21 +270,21 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
-        per_rank = batch_size // world
-        local = step_indices[rank * per_rank : (rank + 1) * per_rank]
+        per_rank = batch_size // dp_world
+        local = step_indices[dp_rank * per_rank : (dp_rank + 1) * per_rank]
 
         lr = engine.get_lr()[0]
         sums = {}
         for m in range(0, per_rank, micro):
             idx = local[m : m + micro]
             batch = to_device(batch_fn(pair_samples(train_ds, idx)), device())
-            logps, outputs = response_logps(engine, batch)
+            logps, outputs = ring_response_logps(engine, batch, ring)
             chosen, rejected = logps[: len(idx)], logps[len(idx) :]
             if ref_cache is not None:
                 ref_chosen, ref_rejected = ref_cache[idx].unbind(1)
             else:
                 with torch.no_grad():
-                    ref_logps, _ = response_logps(ref, batch)
+                    ref_logps, _ = ring_response_logps(ref, batch, ring)
                 ref_chosen, ref_rejected = ref_logps[: len(idx)], ref_logps[len(idx) :]
             losses, r_w, r_l = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.ipo,
                                         args.label_smoothing)
@@ -301,7 +305,8 @@ def main(args: Args):
 
         global_step = step + 1
         totals = all_reduce_sum(list(sums.values()))
-        metrics = {f"train/{key}": total / batch_size for key, total in zip(sums, totals)}
+        # (with --ring_attn_size, every rank of a ring counted the same pairs)
+        metrics = {f"train/{key}": total / (batch_size * args.ring.ring_attn_size) for key, total in zip(sums, totals)}
         metrics.update({"train/lr": lr, "train/epoch": epoch, "train/grad_norm": grad_norm,
                         "perf/pairs_per_s": batch_size / (time.time() - t0)})
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{metrics['train/rewards/accuracy']:.2f}")

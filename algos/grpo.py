@@ -40,7 +40,7 @@ from common.engine import (  # noqa: E402
     load_checkpoint, optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed,
     validate_common_args,
 )
-from common.packing import collate, to_device, token_logps, unpack  # noqa: E402
+from common.packing import collate, one_row_per_batch, to_device, token_logps, unpack  # noqa: E402
 from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 from common.vllm_engine import EngineArgs, SamplingArgs, default_max_num_seqs, resolve_max_model_len  # noqa: E402
@@ -397,9 +397,10 @@ def token_sample(s):
             "loss_mask": [0] * len(s["prompt_ids"]) + [0 if s.get("masked") else 1] * len(s["response_ids"])}
 
 
-def make_batch(samples, pad_id, max_tokens, flash, values=()):
-    """Collate samples (packed), and lay each named per-response-token value out like the tokens."""
-    batch = collate([token_sample(s) for s in samples], pad_id, packing=True, max_tokens=max_tokens, one_row=flash)
+def make_batch(samples, pad_id, max_tokens, one_row, values=()):
+    """Collate samples (packed; one row with a per-sample attention kernel), and lay each named
+    per-response-token value out like the tokens."""
+    batch = collate([token_sample(s) for s in samples], pad_id, packing=True, max_tokens=max_tokens, one_row=one_row)
     for key in values:
         laid = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         for s, (r, start, n) in zip(samples, batch["spans"]):
@@ -442,7 +443,7 @@ class PolicyTrainer:
         set_seed(args.train.seed)
         ds_config = deepspeed_config(args.train, self.world)
         model = load_causal_lm(args.model, ds_config)
-        self.flash = model.config._attn_implementation.startswith("flash")
+        self.one_row = one_row_per_batch(model.config._attn_implementation)
         self.engine = create_train_engine(model, args.train, ds_config, num_training_steps)
         self.ref = None
         if args.init_kl_coef > 0:  # coefficient 0: no reference model at all
@@ -473,7 +474,7 @@ class PolicyTrainer:
         micro, max_tokens = self.args.micro_rollout_batch_size, self.max_tokens(samples)
         for start in range(0, len(samples), micro):
             chunk = samples[start : start + micro]
-            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.flash), device())
+            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.one_row), device())
             for key, model in (("old_logps", self.engine if policy else None), ("ref_logps", self.ref)):
                 if model is None:
                     continue
@@ -498,7 +499,7 @@ class PolicyTrainer:
         totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
         for samples in steps:
             max_tokens = self.max_tokens(samples)
-            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, max_tokens, self.flash, values),
+            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, max_tokens, self.one_row, values),
                                  device())
                        for i in range(0, len(samples), micro)]
             tokens, sequences = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in batches),

@@ -51,12 +51,16 @@ from common.data import (  # noqa: E402
     tokenization_cache_key, validate_data_args,
 )
 from common.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, create_eval_engine, create_train_engine, deepspeed_config,
+    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, create_eval_engine, create_train_engine,
     deepspeed_eval_config, device, finish, hold_ckpt_path, init_distributed, is_rank0, load_causal_lm, load_checkpoint,
     optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args,
     world_size_from_env,
 )
-from common.packing import collate, response_logps, sharded_logps, to_device  # noqa: E402
+from common.packing import collate, one_row_per_batch, sharded_logps, to_device  # noqa: E402
+from common.ring_attention import (  # noqa: E402
+    RingArgs, check_ring_model, data_parallel, ring_deepspeed_config, ring_response_logps, setup_ring,
+    validate_ring_args,
+)
 from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 
 
@@ -73,6 +77,7 @@ class Args:
     data: KTODataArgs = field(default_factory=KTODataArgs)
     ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
     log: LogArgs = field(default_factory=LogArgs)
+    ring: RingArgs = field(default_factory=RingArgs)
     output_key: str = "completion"
     """Field holding the completion of an unpaired row."""
     label_key: str = "label"
@@ -93,16 +98,13 @@ class Args:
     """Keep the reference model's parameters on the CPU (ZeRO-3 inference)."""
     ref_cache: bool = True
     """Cache reference log-probs in one pass before training, then free the reference (--no_ref_cache: run it live)."""
-    packing_samples: bool = True
-    """Bin-pack samples into rows without padding (--no_packing_samples: one padded sample per row)."""
-    pack_max_tokens: int = 0
-    """Longest packed row in tokens (0: --max_len)."""
 
 
 def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
-    validate_common_args(args.model, args.train, args.ckpt, world_size_from_env())
-    validate_data_args(args.data)
+    dp_world = validate_ring_args(args.ring, world_size_from_env(), args.model, args.data)  # world / ring size
+    validate_common_args(args.model, args.train, args.ckpt, dp_world)
+    validate_data_args(args.data, args.model.attn_implementation)
     if args.beta <= 0:
         raise ValueError(f"--beta must be > 0, got {args.beta}")
     if args.desirable_loss_weight < 0 or args.undesirable_loss_weight < 0:
@@ -110,8 +112,6 @@ def parse_args(argv=None):
     if args.train.micro_train_batch_size < 2:
         raise ValueError("--micro_train_batch_size must be >= 2: the KL reference point pairs each prompt with "
                          "the completion of another example of the micro-batch")
-    if args.pack_max_tokens and args.pack_max_tokens < args.data.max_len:
-        raise ValueError(f"--pack_max_tokens {args.pack_max_tokens} must be >= --max_len {args.data.max_len}")
     return args
 
 
@@ -175,10 +175,11 @@ def kl_pairs(idx):
     return [(idx[k], idx[(k + 1) % len(idx)]) for k in range(len(idx))]
 
 
-def make_batch(samples, args, pad_id, flash):
-    """Packed rows (all in one row for flash-attention's varlen kernel), or padded rows."""
-    return collate(samples, pad_id, packing=args.packing_samples, max_tokens=args.pack_max_tokens or args.data.max_len,
-                   one_row=args.packing_samples and flash)
+def make_batch(samples, args, pad_id, one_row):
+    """Packed rows (one row with a per-sample attention kernel, see common.packing.one_row_per_batch), or
+    padded rows."""
+    return collate(samples, pad_id, packing=args.data.packing_samples,
+                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=one_row)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,7 +261,9 @@ def evaluate(engine, ref, eval_ds, eval_ref, args, batch_fn):
 # ----------------------------------------------------------------------------------------------
 def main(args: Args):
     init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
+    ring = setup_ring(args.ring)  # None without --ring_attn_size
+    dp_rank, dp_world = data_parallel(ring)  # the ranks of a ring share their samples
     set_seed(args.train.seed)
     tokenizer = load_tokenizer(args.model.pretrain, args.data)
 
@@ -295,8 +298,8 @@ def main(args: Args):
         return torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch)).tolist()
 
     def local_micro_batches(order, k, r):
-        """Rank r's micro-batches (lists of example indices) at step k of an epoch with this order."""
-        per_rank = batch_size // world
+        """Data-parallel rank r's micro-batches (lists of example indices) at step k of an epoch with this order."""
+        per_rank = batch_size // dp_world
         local = order[k * batch_size + r * per_rank : k * batch_size + (r + 1) * per_rank]
         return [local[m : m + micro] for m in range(0, per_rank, micro)]
 
@@ -305,8 +308,8 @@ def main(args: Args):
     ref_args = ModelArgs(pretrain=args.ref_pretrain or args.model.pretrain,
                          attn_implementation=args.model.attn_implementation, load_in_4bit=args.model.load_in_4bit)
     ref = create_eval_engine(load_causal_lm(ref_args, ref_config), ref_config)
-    flash = ref.module.config._attn_implementation.startswith("flash")
-    batch_fn = lambda samples: make_batch(samples, args, pad_id, flash)  # noqa: E731
+    one_row = ring is not None or one_row_per_batch(ref.module.config._attn_implementation)
+    batch_fn = lambda samples: make_batch(samples, args, pad_id, one_row)  # noqa: E731
     ref_cache = eval_ref_cache = None
     if args.ref_cache:
         t0 = time.time()
@@ -314,7 +317,7 @@ def main(args: Args):
         n, epoch_pairs = len(train_ds), []
         for epoch in range(args.train.max_epochs):
             order = order_of(epoch)
-            epoch_pairs.append([p for k in range(steps_per_epoch) for r in range(world)
+            epoch_pairs.append([p for k in range(steps_per_epoch) for r in range(dp_world)
                                 for idx in local_micro_batches(order, k, r) for p in kl_pairs(idx)])
         items = [(i, i) for i in range(n)] + [p for pairs in epoch_pairs for p in pairs]
         values = sharded_logps(ref, len(items), lambda pos: kto_samples(
@@ -338,8 +341,9 @@ def main(args: Args):
                   f"{2 * len(eval_ds) if eval_ds else 0} eval samples in {time.time() - t0:.1f}s; "
                   "reference model freed")
 
-    ds_config = deepspeed_config(args.train, world)
+    ds_config = ring_deepspeed_config(args.train, world, ring)
     model = load_causal_lm(args.model, ds_config)
+    check_ring_model(model, ring)
     engine = create_train_engine(model, args.train, ds_config, total_steps)
     start_step = 0
     if args.ckpt.load_checkpoint:
@@ -358,7 +362,7 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         lr = engine.get_lr()[0]
         sums = {}
-        for idx in local_micro_batches(order_of(epoch), k, rank):
+        for idx in local_micro_batches(order_of(epoch), k, dp_rank):
             examples, mismatched = [(i, i) for i in idx], kl_pairs(idx)
             if ref_cache is not None:
                 ref_logps, ref_kl_logps = ref_cache[0][idx], ref_cache[1][epoch, idx]
@@ -366,14 +370,14 @@ def main(args: Args):
                 with torch.no_grad():
                     both = to_device(batch_fn(kto_samples(train_ds, examples + mismatched, args.data.max_len)),
                                      device())
-                    ref_both, _ = response_logps(ref, both)
+                    ref_both, _ = ring_response_logps(ref, both, ring)
                 ref_logps, ref_kl_logps = ref_both[: len(idx)], ref_both[len(idx) :]
             with torch.no_grad():  # the reference point needs no gradient: a forward-only pass
                 kl_batch = to_device(batch_fn(kto_samples(train_ds, mismatched, args.data.max_len)), device())
-                kl_logps, _ = response_logps(engine, kl_batch)
+                kl_logps, _ = ring_response_logps(engine, kl_batch, ring)
             z = kl_reference_point(kl_logps, ref_kl_logps)
             batch = to_device(batch_fn(kto_samples(train_ds, examples, args.data.max_len)), device())
-            logps, outputs = response_logps(engine, batch)
+            logps, outputs = ring_response_logps(engine, batch, ring)
             labels = labels_all[idx]
             losses, rewards = kto_loss(logps, ref_logps, labels, z, args.beta, args.desirable_loss_weight,
                                        args.undesirable_loss_weight)
@@ -390,7 +394,7 @@ def main(args: Args):
 
         global_step = step + 1
         totals = dict(zip(sums, all_reduce_sum(list(sums.values()))))
-        metrics = stats_to_metrics(totals, batch_size, "train")
+        metrics = stats_to_metrics(totals, batch_size * args.ring.ring_attn_size, "train")  # a ring counts alike
         metrics.update({"train/lr": lr, "train/epoch": epoch, "train/grad_norm": grad_norm,
                         "perf/examples_per_s": batch_size / (time.time() - t0)})
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", kl=f"{metrics['train/kl']:.3f}")

@@ -38,12 +38,16 @@ from common.data import (  # noqa: E402
     tokenization_cache_key, validate_data_args,
 )
 from common.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_train_engine, deepspeed_config, device,
+    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_train_engine, device,
     finish, hold_ckpt_path, init_distributed, is_rank0, load_causal_lm, load_checkpoint, optimizer_step, parse_cli,
     save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args, world_size_from_env,
 )
-from common.packing import collate, to_device  # noqa: E402
-from common.reward import lockstep_forwards, sequence_rewards, unwrap  # noqa: E402
+from common.packing import collate, one_row_per_batch, to_device  # noqa: E402
+from common.reward import lockstep_forwards, unwrap  # noqa: E402
+from common.ring_attention import (  # noqa: E402
+    RingArgs, check_ring_model, data_parallel, ring_deepspeed_config, ring_sequence_rewards, setup_ring,
+    validate_ring_args,
+)
 from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 
 
@@ -61,6 +65,7 @@ class Args:
     data: RMDataArgs = field(default_factory=RMDataArgs)
     ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
     log: LogArgs = field(default_factory=LogArgs)
+    ring: RingArgs = field(default_factory=RingArgs)
     prompt_key: Optional[str] = None
     """Field holding the prompt (string or chat messages); unset: the response fields hold whole texts or
     conversations."""
@@ -84,10 +89,6 @@ class Args:
     """--prm: the step tag that ends each step (must be one token of the tokenizer)."""
     reward_tokens: tuple[str, str] = ("+", "-")
     """--prm: the tokens whose logits at a step tag score it: good, then bad (each one token)."""
-    packing_samples: bool = True
-    """Bin-pack samples into rows without padding (--no_packing_samples: one padded sample per row)."""
-    pack_max_tokens: int = 0
-    """Longest packed row in tokens (0: --max_len)."""
 
 
 PAIRWISE_ONLY = ("chosen_key", "rejected_key", "margin_loss", "margin_key", "value_head_prefix")
@@ -96,8 +97,11 @@ PRM_ONLY = ("label_key", "placeholder_token", "reward_tokens")
 
 def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
-    validate_common_args(args.model, args.train, args.ckpt, world_size_from_env())
-    validate_data_args(args.data)
+    dp_world = validate_ring_args(args.ring, world_size_from_env(), args.model, args.data)  # world / ring size
+    validate_common_args(args.model, args.train, args.ckpt, dp_world)
+    if args.prm and args.ring.ring_attn_size > 1:
+        raise ValueError("--prm with --ring_attn_size > 1 is not supported (pairwise reward models only)")
+    validate_data_args(args.data, args.model.attn_implementation)
     if args.model.aux_loss_coef > 0:
         raise ValueError("--aux_loss_coef (MoE load balancing) is not implemented in rm.py")
     defaults = {f.name: f.default for f in fields(Args)}
@@ -113,8 +117,6 @@ def parse_args(argv=None):
         raise ValueError(f"--reward_tokens must be two different tokens, got {args.reward_tokens}")
     if args.data.input_template is not None and args.prompt_key is None:
         raise ValueError("--input_template formats the prompt: set --prompt_key")
-    if args.pack_max_tokens and args.pack_max_tokens < args.data.max_len:
-        raise ValueError(f"--pack_max_tokens {args.pack_max_tokens} must be >= --max_len {args.data.max_len}")
     return args
 
 
@@ -229,11 +231,11 @@ def micro_batches_of(ds, indices, micro, args: Args):
             for k in range(0, n, micro)]
 
 
-def make_batch(samples, args: Args, pad_id, flash):
-    """Packed rows (all in one row for flash-attention's varlen kernel), or padded rows; plus the
-    pair margins (pairwise) or the step labels laid out like input_ids (PRM)."""
-    batch = collate(samples, pad_id, packing=args.packing_samples, max_tokens=args.pack_max_tokens or args.data.max_len,
-                    one_row=args.packing_samples and flash)
+def make_batch(samples, args: Args, pad_id, one_row):
+    """Packed rows (one row with a per-sample attention kernel, see common.packing.one_row_per_batch), or
+    padded rows; plus the pair margins (pairwise) or the step labels laid out like input_ids (PRM)."""
+    batch = collate(samples, pad_id, packing=args.data.packing_samples,
+                    max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=one_row)
     if args.prm:
         labels = torch.full(batch["input_ids"].shape, -1.0)
         for sample, (r, s, n) in zip(samples, batch["spans"]):
@@ -260,8 +262,9 @@ def prm_loss(logits, targets):
     return -(targets * logp[:, 0] + (1 - targets) * logp[:, 1])
 
 
-def forward_loss(engine, batch, args: Args, reward_ids):
-    """Summed loss of a micro-batch and its statistics (sums, so they add up across micro-batches and ranks)."""
+def forward_loss(engine, batch, args: Args, reward_ids, ring=None):
+    """Summed loss of a micro-batch and its statistics (sums, so they add up across micro-batches and ranks);
+    `ring`: the batch is split over this rank's ring (common.ring_attention)."""
     if args.prm:
         steps = batch["loss_mask"] > 0
         columns = steps.any(0).nonzero().squeeze(1)  # the LM head runs only where some row has a step tag
@@ -271,7 +274,7 @@ def forward_loss(engine, batch, args: Args, reward_ids):
         losses = prm_loss(step_logits, targets)
         correct = ((step_logits[:, 0] > step_logits[:, 1]) == (targets >= 0.5)).sum()
         return losses.sum(), {"units": len(losses), "loss": losses.sum().item(), "correct": correct.item()}
-    rewards = sequence_rewards(engine, batch, args.value_head_prefix)
+    rewards = ring_sequence_rewards(engine, batch, ring, args.value_head_prefix)
     m = len(rewards) // 2
     chosen, rejected = rewards[:m], rewards[m:]
     losses = pairwise_loss(chosen, rejected, batch["margin"] if args.margin_loss else None)
@@ -286,7 +289,7 @@ def forward_loss(engine, batch, args: Args, reward_ids):
 # Evaluation: pairwise accuracy, rewards and margins, or step accuracy, over the held-out set
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(engine, eval_ds, args, pad_id, flash, reward_ids):
+def evaluate(engine, eval_ds, args, pad_id, one_row, reward_ids):
     engine.eval()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     chunks = micro_batches_of(eval_ds, range(rank, len(eval_ds), world), args.train.micro_train_batch_size, args)
@@ -296,7 +299,8 @@ def evaluate(engine, eval_ds, args, pad_id, flash, reward_ids):
     for i in progress(range(lockstep_forwards(engine, len(chunks))), is_rank0(), desc="eval", leave=False):
         # under ZeRO-3 a rank with fewer batches runs extra forwards (on row 0) in step with the busiest rank
         samples = chunks[i] if i < len(chunks) else micro_batches_of(eval_ds, [0], 1, args)[0]
-        _, stats = forward_loss(engine, to_device(make_batch(samples, args, pad_id, flash), device()), args, reward_ids)
+        batch = to_device(make_batch(samples, args, pad_id, one_row), device())
+        _, stats = forward_loss(engine, batch, args, reward_ids)
         if i < len(chunks):
             for k in names:
                 totals[k] += stats[k]
@@ -317,7 +321,9 @@ def evaluate(engine, eval_ds, args, pad_id, flash, reward_ids):
 # ----------------------------------------------------------------------------------------------
 def main(args: Args):
     init_distributed()
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    world = torch.distributed.get_world_size()
+    ring = setup_ring(args.ring)  # None without --ring_attn_size
+    dp_rank, dp_world = data_parallel(ring)  # the ranks of a ring share their samples
     set_seed(args.train.seed)
     tokenizer = load_tokenizer(args.model.pretrain, args.data)
     if args.prm:
@@ -342,13 +348,13 @@ def main(args: Args):
     train_ds, eval_ds = rank0_first(prepare)
 
     batch_size, micro = args.train.train_batch_size, args.train.micro_train_batch_size
-    gas = accumulation_steps(batch_size, micro, world)
+    gas = accumulation_steps(batch_size, micro, dp_world)
     steps_per_epoch = len(train_ds) // batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train_ds)} training samples is fewer than --train_batch_size {batch_size}")
     total_steps = steps_per_epoch * args.train.max_epochs
 
-    ds_config = deepspeed_config(args.train, world)
+    ds_config = ring_deepspeed_config(args.train, world, ring)
     if args.prm:
         model = load_causal_lm(args.model, ds_config)
     else:
@@ -356,8 +362,9 @@ def main(args: Args):
 
         model = load_causal_lm(args.model, ds_config, model_cls=AutoModelForSequenceClassification, num_labels=1,
                                pad_token_id=tokenizer.pad_token_id)
+    check_ring_model(model, ring)
     engine = create_train_engine(model, args.train, ds_config, total_steps)
-    flash = model.config._attn_implementation.startswith("flash")
+    one_row = ring is not None or one_row_per_batch(model.config._attn_implementation)
     start_step = 0
     if args.ckpt.load_checkpoint:
         state = load_checkpoint(engine, args.ckpt.ckpt_path)
@@ -377,9 +384,9 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
-        per_rank = batch_size // world
-        local = step_indices[rank * per_rank : (rank + 1) * per_rank]
-        micro_batches = [to_device(make_batch(s, args, pad_id, flash), device())
+        per_rank = batch_size // dp_world
+        local = step_indices[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        micro_batches = [to_device(make_batch(s, args, pad_id, one_row), device())
                          for s in micro_batches_of(train_ds, local, micro, args)]
 
         # normaliser: pairs (or labelled steps) of the whole optimizer step, over every micro-batch and rank
@@ -389,8 +396,9 @@ def main(args: Args):
         lr = engine.get_lr()[0]
         totals = {}
         for batch in micro_batches:
-            loss_sum, stats = forward_loss(engine, batch, args, reward_ids)
-            engine.backward(loss_sum * (gas * world) / step_units)  # DeepSpeed divides by gas and averages ranks
+            loss_sum, stats = forward_loss(engine, batch, args, reward_ids, ring)
+            # DeepSpeed divides by gas and averages ranks (a ring's gather backward sums its ranks' equal copies)
+            engine.backward(loss_sum * (gas * dp_world) / step_units)
             grad_norm = optimizer_step(engine)
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value
@@ -407,7 +415,7 @@ def main(args: Args):
                             "train/rejected_reward": sums["rejected"] / n})
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
         if eval_ds and eval_due(global_step, args.log.eval_steps, steps_per_epoch, total_steps):
-            last_eval = (global_step, evaluate(engine, eval_ds, args, pad_id, flash, reward_ids))
+            last_eval = (global_step, evaluate(engine, eval_ds, args, pad_id, one_row, reward_ids))
             metrics.update(last_eval[1])
             if is_rank0():
                 bar.write(f"step {global_step}: " + ", ".join(
@@ -422,7 +430,7 @@ def main(args: Args):
         # ---- end of boilerplate: log and save ----
 
     if eval_ds and (last_eval is None or last_eval[0] != total_steps):  # the export's statistics are the final model's
-        last_eval = (total_steps, evaluate(engine, eval_ds, args, pad_id, flash, reward_ids))
+        last_eval = (total_steps, evaluate(engine, eval_ds, args, pad_id, one_row, reward_ids))
         logger.log(last_eval[1], total_steps)
     if not args.prm and last_eval is not None:  # read by RL for reward normalisation (OpenRLHF's keys)
         config = unwrap(engine).config

@@ -23,11 +23,14 @@ from common.data import (  # noqa: E402
     tokenization_cache_key, validate_data_args,
 )
 from common.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_train_engine, deepspeed_config, device,
+    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_train_engine, device,
     finish, hold_ckpt_path, init_distributed, is_rank0, load_causal_lm, load_checkpoint, optimizer_step, parse_cli,
     save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args, world_size_from_env,
 )
-from common.packing import collate, lockstep_shard, per_sample_sum, to_device, token_logps  # noqa: E402
+from common.packing import collate, lockstep_shard, one_row_per_batch, per_sample_sum, to_device, token_logps  # noqa: E402
+from common.ring_attention import (  # noqa: E402
+    RingArgs, check_ring_model, data_parallel, ring_deepspeed_config, ring_token_logps, setup_ring, validate_ring_args,
+)
 from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 
 
@@ -38,22 +41,20 @@ class Args:
     data: DataArgs = field(default_factory=DataArgs)
     ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
     log: LogArgs = field(default_factory=LogArgs)
+    ring: RingArgs = field(default_factory=RingArgs)
     output_key: str = "output"
     """Field holding the response (prompt/response data)."""
     multiturn: bool = False
     """--input_key holds a list of chat messages; loss on every assistant turn (needs --apply_chat_template)."""
     pretrain_mode: bool = False
     """Continued pretraining: --input_key holds plain text, no template, loss on every token."""
-    packing_samples: bool = True
-    """Bin-pack samples into rows without padding (--no_packing_samples: one padded sample per row)."""
-    pack_max_tokens: int = 0
-    """Longest packed row in tokens (0: --max_len)."""
 
 
 def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
-    validate_common_args(args.model, args.train, args.ckpt, world_size_from_env())
-    validate_data_args(args.data)
+    dp_world = validate_ring_args(args.ring, world_size_from_env(), args.model, args.data)  # world / ring size
+    validate_common_args(args.model, args.train, args.ckpt, dp_world)
+    validate_data_args(args.data, args.model.attn_implementation)
     if args.multiturn and not args.data.apply_chat_template:
         raise ValueError("--multiturn needs --apply_chat_template (turn boundaries come from the chat template)")
     if args.multiturn and args.pretrain_mode:
@@ -65,8 +66,6 @@ def parse_args(argv=None):
     if (args.pretrain_mode or args.multiturn) and args.output_key != Args.output_key:
         raise ValueError(f"--output_key is read only from prompt/response data, not with "
                          f"{'--pretrain_mode' if args.pretrain_mode else '--multiturn'} (the text is in --input_key)")
-    if args.pack_max_tokens and args.pack_max_tokens < args.data.max_len:
-        raise ValueError(f"--pack_max_tokens {args.pack_max_tokens} must be >= --max_len {args.data.max_len}")
     return args
 
 
@@ -121,7 +120,7 @@ def batches_of(ds, indices, micro):
 # Evaluation: loss and next-token accuracy over the response tokens of the held-out set
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(engine, eval_ds, args, pad_id, flash):
+def evaluate(engine, eval_ds, args, pad_id, one_row):
     engine.eval()
     nll = tokens = correct = 0.0
     mine, padded = lockstep_shard(len(eval_ds))  # equal forward counts per rank keep ZeRO-3 gathers in step
@@ -129,7 +128,7 @@ def evaluate(engine, eval_ds, args, pad_id, flash):
     for start in progress(range(0, len(padded), micro), is_rank0(), desc="eval", leave=False):
         (samples,) = batches_of(eval_ds, padded[start : start + micro], micro)
         valid = len(mine[start : start + micro])  # the padding repeats item 0: count only real items
-        batch = to_device(make_batch(samples, args, pad_id, flash), device())
+        batch = to_device(make_batch(samples, args, pad_id, one_row), device())
         logps, _, hits = token_logps(engine, batch, return_argmax=True)
         mask = batch["loss_mask"]
         nll -= per_sample_sum(logps * mask, batch)[:valid].sum().item()
@@ -140,10 +139,11 @@ def evaluate(engine, eval_ds, args, pad_id, flash):
     return {"eval/loss": nll / max(tokens, 1), "eval/token_accuracy": correct / max(tokens, 1)}
 
 
-def make_batch(samples, args, pad_id, flash):
-    """Packed rows (all in one row for flash-attention's varlen kernel), or padded rows."""
-    return collate(samples, pad_id, packing=args.packing_samples, max_tokens=args.pack_max_tokens or args.data.max_len,
-                   one_row=args.packing_samples and flash)
+def make_batch(samples, args, pad_id, one_row):
+    """Packed rows (one row with a per-sample attention kernel, see common.packing.one_row_per_batch), or
+    padded rows."""
+    return collate(samples, pad_id, packing=args.data.packing_samples,
+                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=one_row)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,7 +151,9 @@ def make_batch(samples, args, pad_id, flash):
 # ----------------------------------------------------------------------------------------------
 def main(args: Args):
     init_distributed()
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    world = torch.distributed.get_world_size()
+    ring = setup_ring(args.ring)  # None without --ring_attn_size
+    dp_rank, dp_world = data_parallel(ring)  # the ranks of a ring share their samples
     set_seed(args.train.seed)
     tokenizer = load_tokenizer(args.model.pretrain, args.data)
 
@@ -168,16 +170,17 @@ def main(args: Args):
     train_ds, eval_ds = rank0_first(prepare)
 
     batch_size, micro = args.train.train_batch_size, args.train.micro_train_batch_size
-    gas = accumulation_steps(batch_size, micro, world)
+    gas = accumulation_steps(batch_size, micro, dp_world)
     steps_per_epoch = len(train_ds) // batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train_ds)} training samples is fewer than --train_batch_size {batch_size}")
     total_steps = steps_per_epoch * args.train.max_epochs
 
-    ds_config = deepspeed_config(args.train, world)
+    ds_config = ring_deepspeed_config(args.train, world, ring)
     model = load_causal_lm(args.model, ds_config)
+    check_ring_model(model, ring)
     engine = create_train_engine(model, args.train, ds_config, total_steps)
-    flash = model.config._attn_implementation.startswith("flash")
+    one_row = ring is not None or one_row_per_batch(model.config._attn_implementation)
     start_step = 0
     if args.ckpt.load_checkpoint:
         state = load_checkpoint(engine, args.ckpt.ckpt_path)
@@ -195,9 +198,9 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
-        per_rank = batch_size // world
-        local = step_indices[rank * per_rank : (rank + 1) * per_rank]
-        micro_batches = [to_device(make_batch(s, args, pad_id, flash), device())
+        per_rank = batch_size // dp_world
+        local = step_indices[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        micro_batches = [to_device(make_batch(s, args, pad_id, one_row), device())
                          for s in batches_of(train_ds, local, micro)]
 
         # normaliser: loss tokens of the whole optimizer step, over every micro-batch and rank
@@ -205,7 +208,7 @@ def main(args: Args):
         lr = engine.get_lr()[0]
         step_nll = step_aux = 0.0
         for batch in micro_batches:
-            logps, outputs = token_logps(engine, batch)
+            logps, outputs = ring_token_logps(engine, batch, ring)
             nll = -(logps * batch["loss_mask"]).sum()
             # DeepSpeed divides by the accumulation steps and averages over ranks; undo both
             loss = nll * (gas * world) / step_tokens
@@ -219,13 +222,13 @@ def main(args: Args):
         global_step = step + 1
         step_nll, step_aux = all_reduce_sum([step_nll, step_aux])
         metrics = {"train/loss": step_nll / step_tokens, "train/lr": lr, "train/epoch": epoch,
-                   "perf/tokens_per_s": step_tokens / (time.time() - t0),
+                   "perf/tokens_per_s": step_tokens / args.ring.ring_attn_size / (time.time() - t0),
                    "perf/samples_per_s": batch_size / (time.time() - t0), "train/grad_norm": grad_norm}
         if args.model.aux_loss_coef > 0:
             metrics["train/aux_loss"] = step_aux
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
         if eval_ds and eval_due(global_step, args.log.eval_steps, steps_per_epoch, total_steps):
-            metrics.update(evaluate(engine, eval_ds, args, pad_id, flash))
+            metrics.update(evaluate(engine, eval_ds, args, pad_id, one_row))
             if is_rank0():
                 bar.write(f"step {global_step}: " + ", ".join(
                     f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/") or k == "train/loss"))

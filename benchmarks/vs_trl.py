@@ -46,7 +46,7 @@ class Args:
     dpo_batch: int = 16
     """DPO pairs per optimizer step, both sides."""
     max_len: int = 1024
-    """Packed row length (TRL's max_length; our --pack_max_tokens)."""
+    """TRL's packed row length (max_length) and our --max_len (our micro-batch is one padding-free row)."""
     rounds: int = 2
     """Alternating rounds per algorithm; the best round of each side is reported."""
 
@@ -153,7 +153,7 @@ def main(args: Args):
             metrics = os.path.join(tmp, f"sft{r}.jsonl")
             run([sys.executable, "algos/sft.py", "--pretrain", args.model, "--dataset", sft_data,
                  "--input_key", "prompt", "--output_key", "response", "--apply_chat_template",
-                 "--max_len", str(args.max_len), "--pack_max_tokens", str(args.max_len),
+                 "--max_len", str(args.max_len),
                  "--max_samples", str(args.samples),
                  "--train_batch_size", str(args.sft_batch), "--micro_train_batch_size", str(args.sft_batch),
                  "--zero_stage", "0", "--save_path", os.path.join(tmp, "sft"), "--metrics_file", metrics],

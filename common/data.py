@@ -13,6 +13,8 @@ from typing import Callable, Optional
 
 import tyro
 
+from common.packing import one_row_per_batch
+
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
 
@@ -45,14 +47,20 @@ class DataArgs:
     """Skip and count malformed or too-long rows instead of stopping with an error."""
     preprocess_num_workers: int = 1
     """Processes that tokenize the data."""
+    packing_samples: bool = True
+    """Bin-pack samples into rows without padding (--no_packing_samples: one padded sample per row)."""
+    pack_max_tokens: int = 0
+    """Longest packed row in tokens, for masked attention (sdpa, eager; 0: --max_len). Per-sample kernels
+    (flash-attention, varlen_sdpa: the defaults) take each micro-batch as one row, padding-free."""
 
 
 class BadRow(ValueError):
     """Raised by a row function for a row that cannot be used; the message names the field."""
 
 
-def validate_data_args(args: DataArgs):
-    """Checks that need no data or model: raise ValueError naming the flag."""
+def validate_data_args(args: DataArgs, attn_implementation=None):
+    """Checks that need no data or model: raise ValueError naming the flag. attn_implementation is
+    --attn_implementation as given (None: the device's default)."""
     specs = split_specs(args.dataset)
     if not specs:
         raise ValueError("--dataset is empty")
@@ -65,6 +73,12 @@ def validate_data_args(args: DataArgs):
     validate_prompt_args(args.input_template, args.apply_chat_template)
     if args.max_len < 2:
         raise ValueError(f"--max_len must be >= 2, got {args.max_len}")
+    if args.pack_max_tokens and args.pack_max_tokens < args.max_len:
+        raise ValueError(f"--pack_max_tokens {args.pack_max_tokens} must be >= --max_len {args.max_len}")
+    if args.pack_max_tokens and one_row_per_batch(attn_implementation):
+        kernel = attn_implementation or "the default kernel (varlen_sdpa on CPU)"
+        raise ValueError(f"--pack_max_tokens bounds packed rows for masked attention (--attn_implementation sdpa or "
+                         f"eager); {kernel} packs each micro-batch as one row (size it with --micro_train_batch_size)")
 
 
 def validate_prompt_args(input_template, apply_chat_template):

@@ -20,7 +20,7 @@ import threading
 import typing
 import warnings
 from dataclasses import dataclass, fields, is_dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import numpy as np
 import torch
@@ -83,6 +83,10 @@ class TrainArgs:
     """Keep parameters on the CPU (ZeRO-3 only)."""
     seed: int = 42
     """Seed for data order and initialisation."""
+    param_dtype: Optional[Literal["bf16", "fp32"]] = None
+    """Compute precision: bf16 (CUDA: bf16 weights, fp32 master weights and optimizer states; CPU: fp32 weights,
+    bf16 matmuls under autocast, ~2x the fp32 speed where the CPU multiplies bf16 natively) or fp32; losses
+    in fp32 either way. Default bf16 on CUDA, fp32 on CPU (bf16 cost the tiny test models accuracy)."""
 
 
 @dataclass
@@ -267,8 +271,40 @@ def all_reduce_sum(values):
 # ----------------------------------------------------------------------------------------------
 # DeepSpeed config and model loading
 # ----------------------------------------------------------------------------------------------
+def cpu_has_native_bf16():
+    """Whether this CPU multiplies bf16 in hardware (x86 AVX512-BF16 or AMX-BF16, Arm BF16): there bf16
+    matmuls run ~4x faster than fp32; elsewhere oneDNN emulates them, slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def uses_bf16(train: TrainArgs):
+    """--param_dtype, resolved: bf16 on CUDA, fp32 on CPU unless asked for."""
+    if train.param_dtype is None:
+        return torch.cuda.is_available()
+    if train.param_dtype == "bf16" and not torch.cuda.is_available() and not cpu_has_native_bf16():
+        warnings.warn("--param_dtype bf16: this CPU has no native bf16 matmul (AVX512-BF16, AMX, Arm BF16); "
+                      "emulated bf16 is slower than fp32")
+    return train.param_dtype == "bf16"
+
+
+def precision_config(train: TrainArgs):
+    """DeepSpeed's precision settings for --param_dtype. bf16 on CUDA: bf16 weights with fp32 master weights
+    and optimizer states (DeepSpeed's bf16 mode). bf16 on CPU: fp32 weights, forward under torch.autocast
+    (DeepSpeed's torch_autocast: linear layers in bf16; norms, attention, the residual stream and the
+    optimizer in fp32): on the 8.5M Llama, one thread, 3,500 tokens per CPU-second against 2,600 for bf16
+    weights and 1,500 for fp32 (benchmarks/vs_trl.py). The log-softmax and the losses are fp32 either way."""
+    bf16, cuda = uses_bf16(train), torch.cuda.is_available()
+    autocast = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}} if bf16 and not cuda else {}
+    return {"bf16": {"enabled": bf16 and cuda}, **autocast}
+
+
 def deepspeed_config(train: TrainArgs, world_size):
-    """DeepSpeed training config: bf16 on CUDA, fp32 on CPU, batch sizes checked against the world."""
+    """DeepSpeed training config: --param_dtype's precision, batch sizes checked against the world."""
     zero = {"stage": train.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
     if train.zero_stage == 3:
         zero.update(stage3_param_persistence_threshold=1e4, stage3_prefetch_bucket_size=5e7)
@@ -283,7 +319,7 @@ def deepspeed_config(train: TrainArgs, world_size):
         "train_batch_size": train.train_batch_size,
         "gradient_clipping": train.max_norm,
         "zero_optimization": zero,
-        "bf16": {"enabled": torch.cuda.is_available()},
+        **precision_config(train),
         "zero_allow_untested_optimizer": True,  # torch AdamW on CPU
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10**12,
@@ -304,7 +340,7 @@ def deepspeed_eval_config(train: TrainArgs, world_size, offload=False):
         "train_micro_batch_size_per_gpu": train.micro_train_batch_size,
         "train_batch_size": train.micro_train_batch_size * world_size,
         "zero_optimization": zero,
-        "bf16": {"enabled": torch.cuda.is_available()},
+        **precision_config(train),
         "steps_per_print": 10**12,
     }
 
@@ -312,34 +348,21 @@ def deepspeed_eval_config(train: TrainArgs, world_size, offload=False):
 _HF_DS_CONFIGS = []  # transformers reads ZeRO-3 settings from a live HfDeepSpeedConfig at from_pretrained
 
 
-def default_attn_implementation():
-    """flash_attention_2 on CUDA when installed (sdpa without it); on CPU common.varlen_attention's
-    varlen_sdpa, which attends within each packed sample instead of over a block-diagonal mask."""
-    if torch.cuda.is_available():
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash_attention_2"
-        except ImportError:
-            return "sdpa"
-    from common.varlen_attention import NAME  # importing it registers the name with transformers
-
-    return NAME
-
-
 def load_causal_lm(model_args: ModelArgs, ds_config=None, path=None, model_cls=None, **kwargs):
-    """Load a causal LM for training or inference, partitioned at load time under ZeRO-3,
-    with LoRA / QLoRA adapters and gradient checkpointing as asked."""
+    """Load a causal LM for training or inference, in the dtype `ds_config` trains in (without one: bf16 on
+    CUDA, fp32 on CPU), partitioned at load time under ZeRO-3, with LoRA / QLoRA adapters and gradient
+    checkpointing as asked."""
     from transformers import AutoModelForCausalLM
 
-    from common import varlen_attention  # noqa: F401  (registers varlen_sdpa, also when asked for by name)
+    from common.varlen_attention import default_attn_implementation  # also registers varlen_sdpa by name
 
     model_cls = model_cls or AutoModelForCausalLM
     if ds_config is not None and ds_config["zero_optimization"]["stage"] == 3:
         from transformers.integrations import HfDeepSpeedConfig
 
         _HF_DS_CONFIGS.append(HfDeepSpeedConfig(ds_config))
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    bf16 = ds_config["bf16"]["enabled"] if ds_config is not None else torch.cuda.is_available()
+    dtype = torch.bfloat16 if bf16 else torch.float32
     if model_args.load_in_4bit:
         from transformers import BitsAndBytesConfig
 
@@ -562,8 +585,7 @@ def save_hf_model(engine, tokenizer, save_path, merge_lora=False, base_path=None
             from peft import PeftModel
 
             trained = model.get_base_model()  # same class and config (a reward head, its mean / std) as trained
-            base = type(trained).from_pretrained(base_path, config=trained.config,
-                                                 dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+            base = type(trained).from_pretrained(base_path, config=trained.config, dtype=trained.dtype)
             merged = PeftModel.from_pretrained(base, out).merge_and_unload()
             merged.save_pretrained(save_path, safe_serialization=True)
             tokenizer.save_pretrained(save_path)

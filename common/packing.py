@@ -31,6 +31,17 @@ def pack_sequences(lengths, max_tokens):
     return rows
 
 
+def one_row_per_batch(attn_implementation=None):
+    """Whether a micro-batch packs as one row: kernels that attend within each packed sample
+    (flash-attention's varlen, common.varlen_attention's varlen_sdpa) do Σ lᵢ² work on any row
+    length, so one row needs no padding; masked attention (sdpa, eager) does L², so rows stay short.
+    None is the device's default kernel."""
+    from common.varlen_attention import NAME, default_attn_implementation
+
+    name = attn_implementation or default_attn_implementation()
+    return name.startswith("flash") or name == NAME
+
+
 def collate(samples, pad_token_id, packing=True, max_tokens=None, one_row=False):
     """Batch samples as tensors of shape (rows, length).
 

@@ -116,6 +116,9 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     if plain:  # generation with a KV cache, or what the per-sample kernel does not cover
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       sliding_window=sliding_window, softcap=softcap, **kwargs)
+    # under autocast the rotary embedding hands back fp32 queries and keys beside bf16 values: attend in fp32
+    dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     q = query.transpose(1, 2).reshape(batch * length, heads, dim)
     k = key.transpose(1, 2).reshape(batch * length, key.shape[1], dim)
     v = value.transpose(1, 2).reshape(batch * length, value.shape[1], dim)
@@ -125,3 +128,16 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
 
 
 AttentionInterface.register(NAME, varlen_attention_forward)
+
+
+def default_attn_implementation():
+    """flash_attention_2 on CUDA when installed (sdpa without it); on CPU common.varlen_attention's
+    varlen_sdpa, which attends within each packed sample instead of over a block-diagonal mask."""
+    if torch.cuda.is_available():
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            return "sdpa"
+    return NAME

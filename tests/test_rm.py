@@ -326,8 +326,8 @@ def zero3_score_worker(model_dir, out_file):
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    ds_config = deepspeed_eval_config(TrainArgs(zero_stage=3, micro_train_batch_size=2, train_batch_size=2 * world),
-                                      world)
+    train = TrainArgs(zero_stage=3, micro_train_batch_size=2, train_batch_size=2 * world, param_dtype="fp32")
+    ds_config = deepspeed_eval_config(train, world)
     engine = create_eval_engine(load_causal_lm(ModelArgs(pretrain=model_dir), ds_config,
                                                model_cls=AutoModelForSequenceClassification), ds_config)
     assert engine.zero_optimization_stage() == 3

@@ -21,8 +21,8 @@ def rows(path):
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_sft_learns_and_exports(assets, tmp_path, zero_stage):
+@pytest.mark.parametrize("zero_stage,dtype", [(2, "fp32"), (3, "bf16")])
+def test_sft_learns_and_exports(assets, tmp_path, zero_stage, dtype):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from common.tiny import exact_match
@@ -32,13 +32,14 @@ def test_sft_learns_and_exports(assets, tmp_path, zero_stage):
     run_script("sft.py", [
         "--pretrain", f"{assets}/llama-0.5m", "--dataset", f"{data}/sft_train.jsonl", "--eval_dataset",
         f"{data}/sft_test.jsonl", *TASK, "--train_batch_size", 32, "--micro_train_batch_size", 8, "--max_epochs", 2,
-        "--learning_rate", 3e-3, "--zero_stage", zero_stage, "--save_path", out, "--metrics_file", metrics_file,
-        "--use_tensorboard", tb, "--use_wandb", "--wandb_run_name", f"z{zero_stage}",
+        "--learning_rate", 3e-3, "--zero_stage", zero_stage, "--param_dtype", dtype, "--save_path", out,
+        "--metrics_file", metrics_file, "--use_tensorboard", tb, "--use_wandb", "--wandb_run_name", f"z{zero_stage}",
     ], nproc=2, env={"WANDB_DIR": str(tmp_path)})
     metrics = read_jsonl(metrics_file)
     assert len([m for m in metrics if "train/loss" in m]) == 124  # 2000 // 32 steps x 2 epochs
     first, last = metrics[0]["train/loss"], metrics[-1]["train/loss"]
-    assert first > 3.0 and last < 0.1, (first, last)
+    print(f"{dtype}: train loss {first:.4f} -> {last:.4f}")
+    assert first > 3.0 and last < (0.1 if dtype == "fp32" else 0.3), (first, last)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tb))
@@ -59,11 +60,17 @@ def test_sft_learns_and_exports(assets, tmp_path, zero_stage):
         batch = collate(samples, tokenizer.pad_token_id, packing=True, max_tokens=64)
         logps, _ = token_logps(model, batch)
     hf_loss = -(logps * batch["loss_mask"]).sum().item() / batch["loss_mask"].sum().item()
-    assert abs(hf_loss - metrics[-1]["eval/loss"]) <= 1e-5, (hf_loss, metrics[-1]["eval/loss"])
+    print(f"{dtype}: export loss {hf_loss:.6f}, trainer eval loss {metrics[-1]['eval/loss']:.6f}")
+    assert model.dtype == torch.float32  # bf16 on CPU computes under autocast: the weights stay fp32
+    assert abs(hf_loss - metrics[-1]["eval/loss"]) <= (1e-5 if dtype == "fp32" else 2e-2), (hf_loss, metrics[-1])
 
-    # held-out exact match of greedy answers: 0 before training, >= 0.9 after (measured 1.0)
+    # held-out exact match of greedy answers: 0 before training, >= 0.9 after in fp32 (measured 1.0)
     test_rows = rows(f"{data}/sft_test.jsonl")
-    assert exact_match(model, tokenizer, test_rows) >= 0.9
+    accuracy = exact_match(model, tokenizer, test_rows)
+    print(f"{dtype}: held-out exact match {accuracy:.3f}")
+    # bf16 matmuls cost this 0.5M model accuracy (measured 0.705 and 0.72 over two runs, train loss 0.14-0.16,
+    # against 1.0 and 0.014 in fp32): the bar says bf16 learns, not that it matches fp32 here
+    assert accuracy >= (0.9 if dtype == "fp32" else 0.5)
     base = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m")
     assert exact_match(base, tokenizer, test_rows[:64]) == 0.0
 

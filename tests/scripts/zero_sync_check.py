@@ -21,7 +21,8 @@ if __name__ == "__main__":
     model_path, zero_stage, lora_rank, out_file = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    train = TrainArgs(train_batch_size=2 * world, micro_train_batch_size=2, zero_stage=zero_stage, learning_rate=1e-2)
+    train = TrainArgs(train_batch_size=2 * world, micro_train_batch_size=2, zero_stage=zero_stage, learning_rate=1e-2,
+                      param_dtype="fp32")
     ds_config = deepspeed_config(train, world)
     model = load_causal_lm(ModelArgs(pretrain=model_path, lora_rank=lora_rank), ds_config)
     engine = create_train_engine(model, train, ds_config, num_training_steps=3)
