@@ -1,6 +1,6 @@
-"""Throughput side by side with TRL on this machine: our sft.py and dpo.py against TRL's SFTTrainer
-(packing=bfd) and DPOTrainer, same model, same data, same shapes, one process each, the two sides
-alternating round by round so that other load slows both alike.
+"""Throughput side by side with TRL on this machine: our sft.py, dpo.py and grpo.py against TRL's
+SFTTrainer (packing=bfd), DPOTrainer and GRPOTrainer, same model, same data, same shapes, one trainer
+process each, the two sides alternating round by round so that other load slows both alike.
 
     python benchmarks/vs_trl.py --model assets/llama-10m             # TRL goes to --trl_dir, not .venv
 
@@ -9,11 +9,15 @@ folder put on PYTHONPATH for TRL's runs only; its dependencies are the project's
 accelerate and datasets), never into the project's environment. Without network or PyPI access the
 script says so and stops.
 
-Measured: training steps after the first (start-up, data preparation and the first step excluded on
-both sides). SFT: tokens/s (all tokens of the samples trained, prompt and response); ours from
-sft.py's perf/samples_per_s x the data's mean tokens per sample, TRL's from per-step times (a
-callback) x the tokens of its packed rows. DPO: pairs/s; ours perf/pairs_per_s, TRL's from its
-per-step times. GRPO is not compared here yet.
+Each side runs in its best mode on this machine: ours with --param_dtype bf16 where the CPU multiplies
+bf16 natively (fp32 elsewhere; --param_dtype overrides), TRL in fp32 (its bf16=True changes nothing on
+CPU). Measured: training steps after the first (start-up, data preparation and the first step excluded
+on both sides). SFT: tokens/s (all tokens of the samples trained, prompt and response); ours from
+sft.py's perf/samples_per_s x the data's mean tokens per sample, TRL's from per-step times (a callback)
+x the tokens of its packed rows. DPO: pairs/s; ours perf/pairs_per_s, TRL's from its per-step times.
+GRPO: seconds per step of --grpo_prompts x --grpo_samples responses of at most --grpo_max_len tokens
+(one optimizer step per rollout, no reference model); ours generates with vLLM (one engine, one
+trainer rank), TRL with transformers' generate (its vLLM modes need CUDA).
 """
 
 import json
@@ -22,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Literal, Optional
 
 import tyro
 
@@ -47,6 +52,16 @@ class Args:
     """DPO pairs per optimizer step, both sides."""
     max_len: int = 1024
     """TRL's packed row length (max_length) and our --max_len (our micro-batch is one padding-free row)."""
+    grpo_prompts: int = 16
+    """GRPO prompts per step."""
+    grpo_samples: int = 8
+    """GRPO responses per prompt."""
+    grpo_max_len: int = 32
+    """GRPO longest response in tokens."""
+    grpo_steps: int = 6
+    """GRPO steps per run (the first is not counted)."""
+    param_dtype: Optional[Literal["bf16", "fp32"]] = None
+    """Our --param_dtype (default: bf16 where the CPU multiplies bf16 natively, else fp32)."""
     rounds: int = 2
     """Alternating rounds per algorithm; the best round of each side is reported."""
 
@@ -104,6 +119,35 @@ print(json.dumps({"pairs_per_s": int(batch) * (steps - 1) / (times[-1] - times[0
 """
 
 
+TRL_GRPO = r"""
+import json, sys, time
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+model_path, data_path, prompts, samples, max_len, steps, out = sys.argv[1:8]
+prompts, samples, steps = int(prompts), int(samples), int(steps)
+raw = [json.loads(line) for line in open(data_path)][: prompts * steps]
+ds = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in raw])
+def exact_match(completions, answer, **kwargs):
+    return [float(c[0]["content"].strip() == a.strip()) for c, a in zip(completions, answer)]
+times = []
+class Timer(TrainerCallback):
+    def on_step_end(self, *a, **k):
+        times.append(time.perf_counter())
+micro = 32
+config = GRPOConfig(output_dir=out, per_device_train_batch_size=micro,
+                    gradient_accumulation_steps=prompts * samples // micro, num_generations=samples,
+                    max_completion_length=int(max_len), max_steps=steps, learning_rate=1e-6, beta=0.0,
+                    temperature=1.0, logging_steps=10**6, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                    dataloader_num_workers=0)
+tok = AutoTokenizer.from_pretrained(model_path)
+trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_path), reward_funcs=exact_match, args=config,
+                      train_dataset=ds, processing_class=tok, callbacks=[Timer()])
+trainer.train()
+print(json.dumps({"step_s": (times[-1] - times[0]) / (len(times) - 1), "steps": len(times)}))
+"""
+
+
 def ensure_trl(trl_dir):
     if os.path.exists(os.path.join(trl_dir, "trl", "__init__.py")):
         return
@@ -140,14 +184,33 @@ def mean_sft_tokens(args, data):
     return sum(lengths) / len(lengths)
 
 
+def ours_grpo(args, data, tmp, r, dtype):
+    """Seconds per step of grpo.py at the benchmark's shape (steps after the first)."""
+    metrics, samples = os.path.join(tmp, f"grpo{r}.jsonl"), args.grpo_prompts * args.grpo_samples
+    run([sys.executable, "algos/grpo.py", "--pretrain", args.model,
+         "--prompt_data", os.path.join(data, "rl_train.jsonl"), "--input_key", "prompt", "--label_key", "answer",
+         "--apply_chat_template",
+         "--remote_rm_url", "launch/rewards/exact_match.py", "--n_samples_per_prompt", str(args.grpo_samples),
+         "--rollout_batch_size", str(args.grpo_prompts), "--train_batch_size", str(samples),
+         "--micro_train_batch_size", "32", "--micro_rollout_batch_size", "32", "--actor_num_gpus_per_node", "1",
+         "--prompt_max_len", "64", "--generate_max_len", str(args.grpo_max_len), "--max_steps", str(args.grpo_steps),
+         "--param_dtype", dtype, "--save_path", os.path.join(tmp, "grpo"), "--metrics_file", metrics],
+        env={"TOKENIZERS_PARALLELISM": "false"})
+    steps = [m for m in map(json.loads, open(metrics)) if "perf/samples_per_s" in m][1:]
+    return sum(samples / m["perf/samples_per_s"] for m in steps) / len(steps)
+
+
 def main(args: Args):
+    from common.engine import cpu_has_native_bf16
+
     ensure_trl(args.trl_dir)
+    dtype = args.param_dtype or ("bf16" if cpu_has_native_bf16() else "fp32")
     trl_env = {"PYTHONPATH": args.trl_dir, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
     data = os.path.join(args.assets, "data", "reverse")
     sft_data, pref_data = os.path.join(data, "sft_train.jsonl"), os.path.join(data, "pref_train.jsonl")
     per_sample = mean_sft_tokens(args, sft_data)
     trl_rows = max(1, round(args.sft_batch * per_sample / args.max_len))  # rows carrying as many tokens
-    results = {"sft": {"ours": [], "trl": []}, "dpo": {"ours": [], "trl": []}}
+    results = {a: {"ours": [], "trl": []} for a in ("sft", "dpo", "grpo")}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             metrics = os.path.join(tmp, f"sft{r}.jsonl")
@@ -156,7 +219,8 @@ def main(args: Args):
                  "--max_len", str(args.max_len),
                  "--max_samples", str(args.samples),
                  "--train_batch_size", str(args.sft_batch), "--micro_train_batch_size", str(args.sft_batch),
-                 "--zero_stage", "0", "--save_path", os.path.join(tmp, "sft"), "--metrics_file", metrics],
+                 "--zero_stage", "0", "--param_dtype", dtype, "--save_path", os.path.join(tmp, "sft"),
+                 "--metrics_file", metrics],
                 env={"TOKENIZERS_PARALLELISM": "false"})
             results["sft"]["ours"].append(after_first(metrics, "perf/samples_per_s") * per_sample)
             out = run([sys.executable, "-c", TRL_SFT, args.model, sft_data, str(args.samples), str(trl_rows),
@@ -167,20 +231,30 @@ def main(args: Args):
             run([sys.executable, "algos/dpo.py", "--pretrain", args.model, "--dataset", pref_data, "--input_key",
                  "prompt", "--apply_chat_template", "--skip_bad_rows", "--max_len", str(args.max_len),
                  "--max_samples", str(args.samples), "--train_batch_size", str(args.dpo_batch),
-                 "--micro_train_batch_size", str(args.dpo_batch), "--zero_stage", "0",
+                 "--micro_train_batch_size", str(args.dpo_batch), "--zero_stage", "0", "--param_dtype", dtype,
                  "--save_path", os.path.join(tmp, "dpo"), "--metrics_file", metrics],
                 env={"TOKENIZERS_PARALLELISM": "false"})
             results["dpo"]["ours"].append(after_first(metrics, "perf/pairs_per_s"))
             out = run([sys.executable, "-c", TRL_DPO, args.model, pref_data, str(args.samples), str(args.dpo_batch),
                        str(args.max_len), os.path.join(tmp, "trl_dpo")], env=trl_env)
             results["dpo"]["trl"].append(json.loads(out.strip().splitlines()[-1])["pairs_per_s"])
+
+            results["grpo"]["ours"].append(ours_grpo(args, data, tmp, r, dtype))
+            out = run([sys.executable, "-c", TRL_GRPO, args.model, os.path.join(data, "rl_train.jsonl"),
+                       str(args.grpo_prompts), str(args.grpo_samples), str(args.grpo_max_len), str(args.grpo_steps),
+                       os.path.join(tmp, "trl_grpo")], env=trl_env)
+            results["grpo"]["trl"].append(json.loads(out.strip().splitlines()[-1])["step_s"])
             print(f"round {r + 1}: " + json.dumps({a: {s: round(v[-1], 1) for s, v in sides.items()}
                                                    for a, sides in results.items()}), flush=True)
-    print(f"\nmodel {args.model}, {args.samples} samples per run, best of {args.rounds} alternating rounds, CPU fp32")
-    print(f"{'algorithm':<10} {'unit':<10} {'minrlhf':>10} {'TRL ' + TRL_VERSION:>10} {'ratio':>7}")
+    print(f"\nmodel {args.model}, {args.samples} samples per run, best of {args.rounds} alternating rounds, CPU, "
+          f"ours {dtype}, TRL fp32")
+    print(f"{'algorithm':<10} {'unit':<14} {'minrlhf':>10} {'TRL ' + TRL_VERSION:>10} {'ours/TRL':>9}")
     for algo, unit in (("sft", "tokens/s"), ("dpo", "pairs/s")):
         ours, trl = max(results[algo]["ours"]), max(results[algo]["trl"])
-        print(f"{algo:<10} {unit:<10} {ours:>10.1f} {trl:>10.1f} {ours / trl:>6.2f}x")
+        print(f"{algo:<10} {unit:<14} {ours:>10.1f} {trl:>10.1f} {ours / trl:>8.2f}x")
+    ours, trl = min(results["grpo"]["ours"]), min(results["grpo"]["trl"])
+    shape = f"s/step {args.grpo_prompts}x{args.grpo_samples}"
+    print(f"{'grpo':<10} {shape:<14} {ours:>10.2f} {trl:>10.2f} {ours / trl:>8.2f}x (time: lower is better)")
 
 
 if __name__ == "__main__":
