@@ -51,9 +51,16 @@ def run_check(mode, out, paths):
         return json.load(f)
 
 
-def test_ring_of_two_equals_full_attention(gqa_models, tmp_path):
-    result = run_check("model", tmp_path / "model.json", [gqa_models["llama"], gqa_models["qwen2"]])
+@pytest.fixture(scope="module")
+def ring_results(gqa_models, tmp_path_factory):
+    """One torchrun of tests/scripts/ring_check.py for the model checks and the DeepSpeed steps."""
+    result = run_check("all", tmp_path_factory.mktemp("ring") / "all.json", [gqa_models["llama"], gqa_models["qwen2"]])
     print(json.dumps(result, indent=1))
+    return result
+
+
+def test_ring_of_two_equals_full_attention(ring_results):
+    result = dict(ring_results)
     assert result.pop("flash_attn_imported") is False  # the CPU kernels were shown to ring-flash-attn only
     for arch in ("llama", "qwen2"):
         for stride in (1, 2):
@@ -68,12 +75,10 @@ def test_ring_of_two_equals_full_attention(gqa_models, tmp_path):
         assert control["logps"] > 1e-2 and control["grads_rel"] > 1e-2 and control["loss_rel"] > 1e-4, control
 
 
-def test_one_deepspeed_step_with_a_ring_equals_one_process(gqa_models, tmp_path):
+def test_one_deepspeed_step_with_a_ring_equals_one_process(ring_results):
     """SGD, lr 1, no clipping (Adam's first step is about sign(grad) and amplifies noise on tiny gradients)."""
-    result = run_check("step", tmp_path / "step.json", [gqa_models["qwen2"]])
-    print(json.dumps(result, indent=1))
     for stage in (2, 3):
-        got = result[f"zero{stage}"]
+        got = ring_results[f"zero{stage}"]
         assert got["param_diff"] <= 1e-6 and got["largest_change"] > 0.1, got
         assert got["ds_train_batch_size"] == 2 and got["gas"] == 1  # DeepSpeed counts both ring ranks
 
@@ -136,3 +141,56 @@ def test_models_the_ring_cannot_run_fail_before_training():
     plain = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
     with pytest.raises(ValueError, match="--ring_attn_size needs the model loaded with attn_implementation"):
         check_ring_model(plain, ring)
+
+
+def fp32():
+    """--param_dtype fp32 where the flag exists: equivalence is measured in fp32 (bf16 matmuls round per split)."""
+    from dataclasses import fields
+
+    from common.engine import TrainArgs
+
+    return ["--param_dtype", "fp32"] if "param_dtype" in {f.name for f in fields(TrainArgs)} else []
+
+
+def curves(path):
+    from conftest import read_jsonl
+
+    return read_jsonl(path)
+
+
+@pytest.mark.parametrize("script", ["sft", "dpo"])
+def test_script_with_a_ring_of_two_equals_data_parallel(assets, tmp_path, script):
+    """`--ring_attn_size 2` on 2 ranks (one data-parallel replica, each packed row split over the ring) gives the
+    loss curve, log-probs and gradient norms of one process with the same global batch and micro-batches."""
+    from conftest import max_weight_diff, run_script
+
+    data = f"{assets}/data/reverse"
+    common = ["--pretrain", f"{assets}/llama-0.5m", "--apply_chat_template", "--max_len", 64, "--max_samples", 32,
+              "--train_batch_size", 16, "--micro_train_batch_size", 4, *fp32()]
+    if script == "sft":  # ZeRO-2
+        common += ["--dataset", f"{data}/sft_train.jsonl", "--input_key", "prompt", "--output_key", "response",
+                   "--learning_rate", 3e-3, "--zero_stage", 2]
+        keys = ("train/loss", "train/grad_norm")
+    else:  # ZeRO-3, the reference cached by plain data-parallel forwards, an NLL term
+        common += ["--dataset", f"{data}/pref_train.jsonl", "--learning_rate", 3e-4, "--beta", 0.1,
+                   "--nll_loss_coef", 0.5, "--zero_stage", 3]
+        keys = ("train/loss", "train/grad_norm", "train/logps/chosen", "train/logps/rejected", "train/nll_loss")
+    runs = {}
+    for name, nproc, extra in (("ring", 2, ["--ring_attn_size", 2]), ("one", 1, [])):
+        run_script(f"{script}.py", [*common, *extra, "--save_path", tmp_path / name, "--metrics_file",
+                                    tmp_path / f"{name}.jsonl"], nproc=nproc)
+        runs[name] = curves(tmp_path / f"{name}.jsonl")
+    assert len(runs["ring"]) == len(runs["one"]) == 2
+    worst = {k: max(abs(r[k] - d[k]) / max(abs(d[k]), 1.0) for r, d in zip(runs["ring"], runs["one"])) for k in keys}
+    print(f"\n{script} ring vs one process, max |diff| / max(1, |value|):", worst)
+    assert all(v <= 1e-5 for v in worst.values()), worst
+    assert max_weight_diff(tmp_path / "ring", f"{assets}/llama-0.5m") > 1e-4  # the steps did train
+
+
+def test_a_ring_that_does_not_divide_the_world_fails_before_loading(assets):
+    from conftest import run_script
+
+    proc = run_script("sft.py", ["--pretrain", f"{assets}/llama-0.5m", "--dataset", "unused.jsonl",
+                                 "--ring_attn_size", 2], expect_ok=False)
+    assert proc.returncode != 0
+    assert "error: --ring_attn_size 2 must divide the world size 1" in proc.stderr, proc.stderr[-2000:]

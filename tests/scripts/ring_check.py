@@ -6,6 +6,7 @@ ranks against one process with full attention, written as max differences to a J
                                             plus the negative control (the same split, no K/V exchange)
     ring_check.py step   OUT MODEL_DIR      one SGD step under DeepSpeed ZeRO-2 and ZeRO-3 with a ring of 2,
                                             against the same step taken by one process
+    ring_check.py all    OUT MODEL_DIR...   both (the step on the last model)
 """
 
 import json
@@ -162,7 +163,8 @@ if __name__ == "__main__":
     mode, out_file, *paths = sys.argv[1:]
     init_distributed()
     torch.manual_seed(0)
-    result = model_checks(paths) if mode == "model" else step_checks(paths[0])
+    result = {**(model_checks(paths) if mode in ("model", "all") else {}),
+              **(step_checks(paths[-1]) if mode in ("step", "all") else {})}
     result["flash_attn_imported"] = "flash_attn" in sys.modules
     if dist.get_rank() == 0:
         with open(out_file, "w") as f:
