@@ -143,15 +143,6 @@ def test_models_the_ring_cannot_run_fail_before_training():
         check_ring_model(plain, ring)
 
 
-def fp32():
-    """--param_dtype fp32 where the flag exists: equivalence is measured in fp32 (bf16 matmuls round per split)."""
-    from dataclasses import fields
-
-    from common.engine import TrainArgs
-
-    return ["--param_dtype", "fp32"] if "param_dtype" in {f.name for f in fields(TrainArgs)} else []
-
-
 def curves(path):
     from conftest import read_jsonl
 
@@ -166,7 +157,8 @@ def test_script_with_a_ring_of_two_equals_data_parallel(assets, tmp_path, script
 
     data = f"{assets}/data/reverse"
     common = ["--pretrain", f"{assets}/llama-0.5m", "--apply_chat_template", "--max_len", 64, "--max_samples", 32,
-              "--train_batch_size", 16, "--micro_train_batch_size", 4, *fp32()]
+              "--train_batch_size", 16, "--micro_train_batch_size", 4,
+              "--param_dtype", "fp32"]  # equivalence in fp32: bf16 matmuls round differently per split
     if script == "sft":  # ZeRO-2
         common += ["--dataset", f"{data}/sft_train.jsonl", "--input_key", "prompt", "--output_key", "response",
                    "--learning_rate", 3e-3, "--zero_stage", 2]
