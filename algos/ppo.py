@@ -591,7 +591,7 @@ class GroupMember:
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0",
                           MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         init_distributed(timeout_s=self.args.rendezvous_timeout)
-        if not torch.cuda.is_available():  # Ray gives an actor num_cpus threads (1)
+        if not torch.cuda.is_available():  # Ray gives an actor num_cpus threads (1); actor and critic run side by side
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.ranks_per_node))
         set_seed(self.args.train.seed)
 
@@ -830,15 +830,16 @@ def place_models(args, world, critic_world, pad_id, roles):
         return lambda i: PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
 
     in_bundle = group(world)
+    ranks_per_node = args.actor_num_gpus_per_node + args.critic_num_gpus_per_node  # CPU threads: cores / this
     in_critic_bundle = in_bundle if args.colocate_all_models else group(critic_world)
     cpus = 0.25 if args.colocate_all_models else 1  # colocated roles split their bundle's CPU
     trainers = [roles.add(f"actor rank {r}", actor_class(PolicyTrainer).options(
                     num_cpus=cpus, num_gpus=share if gpu else 0, scheduling_strategy=in_bundle(r)).remote(
-                    args, r, world, pad_id, args.actor_num_gpus_per_node))
+                    args, r, world, pad_id, ranks_per_node))
                 for r in range(world)]
     critics = [roles.add(f"critic rank {r}", actor_class(CriticTrainer).options(
                    num_cpus=cpus, num_gpus=share if gpu else 0, scheduling_strategy=in_critic_bundle(r)).remote(
-                   args, r, critic_world, pad_id, args.critic_num_gpus_per_node))
+                   args, r, critic_world, pad_id, ranks_per_node))
                for r in range(critic_world)]
     # an engine holds at once every sample of its share of a rollout (or of an evaluation round)
     per_engine = math.ceil(args.rollout_batch_size / args.vllm_num_engines)
