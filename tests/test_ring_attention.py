@@ -186,3 +186,65 @@ def test_a_ring_that_does_not_divide_the_world_fails_before_loading(assets):
                                  "--ring_attn_size", 2], expect_ok=False)
     assert proc.returncode != 0
     assert "error: --ring_attn_size 2 must divide the world size 1" in proc.stderr, proc.stderr[-2000:]
+
+
+def _kernel_results(forward, backward, tensors, cu_q, cu_k, max_q, max_k, device):
+    """out, lse, dq, dk, dv of a flash-attn-contract varlen kernel pair, its arguments filled by name the way
+    ring-flash-attn fills them (ring_flash_attn.utils.get_default_args)."""
+    from ring_flash_attn.utils import get_default_args
+
+    q, k, v, dout = (t.to(device) for t in tensors)
+    common = {"cu_seqlens_q": cu_q.to(device), "cu_seqlens_k": cu_k.to(device), "max_seqlen_q": max_q,
+              "max_seqlen_k": max_k, "dropout_p": 0.0, "softmax_scale": q.shape[-1] ** -0.5, "causal": True,
+              "alibi_slopes": None}
+    params = {**get_default_args(forward), **common, "q": q, "k": k, "v": v, "return_softmax": False}
+    window = {"window_size": (-1, -1)} if "window_size" in params else {"window_size_left": -1, "window_size_right": -1}
+    out, lse = forward(**{**params, **window})[:2]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    params = {**get_default_args(backward), **common, "dout": dout, "q": q, "k": k, "v": v, "out": out,
+              "softmax_lse": lse, "dq": dq, "dk": dk, "dv": dv, "deterministic": False}
+    backward(**{**params, **window})
+    return [t.float().cpu() for t in (out, lse, dq, dk, dv)]
+
+
+def _ring_split_tensors(rank, size=2, heads=8, kv_heads=2, dim=64, dtype=torch.bfloat16):
+    """This rank's llama3 split of a packed row of 256 tokens (4 samples, two crossing the split): local queries,
+    the keys / values they need, a gradient for the output, and the local cu_seqlens."""
+    _, prepare = import_ring_flash_attn()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(256, h, dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    dout = torch.randn(256 // size, heads, dim, generator=g).to(dtype)
+    cu_q, cu_k, max_q, max_k, k_slice = prepare(torch.tensor([0, 37, 100, 161, 256], dtype=torch.int32), True,
+                                                rank, size)
+    local = slice(rank * 256 // size, (rank + 1) * 256 // size)
+    return (q[local], k[k_slice], v[k_slice], dout), cu_q, cu_k, max_q, max_k
+
+
+def test_cpu_kernels_in_flash_attn_contract_run_bf16_on_the_ring_splits():
+    """The CPU half of the GPU check below, on CPU: the stand-ins, called the way ring-flash-attn calls flash-attn,
+    give in bf16 what they give in fp32 on both ranks' splits, to bf16 tolerance."""
+    from common.ring_attention import _cpu_varlen_backward, _cpu_varlen_forward
+
+    for rank in (0, 1):
+        tensors, *cu = _ring_split_tensors(rank)
+        bf16 = _kernel_results(_cpu_varlen_forward, _cpu_varlen_backward, tensors, *cu, "cpu")
+        fp32 = _kernel_results(_cpu_varlen_forward, _cpu_varlen_backward, [t.float() for t in tensors], *cu, "cpu")
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), bf16, fp32):
+            assert b.abs().max() > 0 and (a - b).abs().max().item() <= 2e-2 * max(1.0, b.abs().max().item()), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn's varlen kernels need CUDA")
+def test_cpu_kernels_match_flash_attn_on_the_ring_splits():
+    """The CPU stand-in (common.varlen_attention's kernels in flash-attn's contract) against flash-attn's own
+    `_flash_attn_varlen_forward/_backward` on the llama3 splits of both ranks, bf16, GQA 8 / 2 heads: out, lse,
+    dq, dk, dv within bf16 tolerance (2e-2 of each tensor's largest value)."""
+    fa = pytest.importorskip("flash_attn.flash_attn_interface")
+    from common.ring_attention import _cpu_varlen_backward, _cpu_varlen_forward
+
+    for rank in (0, 1):
+        tensors, *cu = _ring_split_tensors(rank)
+        cpu = _kernel_results(_cpu_varlen_forward, _cpu_varlen_backward, tensors, *cu, "cpu")
+        cuda = _kernel_results(fa._flash_attn_varlen_forward, fa._flash_attn_varlen_backward, tensors, *cu, "cuda")
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), cpu, cuda):
+            assert (a - b).abs().max().item() <= 2e-2 * max(1.0, b.abs().max().item()), (rank, name)
