@@ -42,19 +42,35 @@ def _causal_mask(lq, lk, like):
     return torch.zeros(lq, lk, dtype=like.dtype, device=like.device).masked_fill(~visible, float("-inf"))
 
 
-def _per_sample(cu_seqlens_q, cu_seqlens_k):
+def _same_length_groups(cu_seqlens_q, cu_seqlens_k, device):
+    """Samples grouped by (query length, key length): each group runs as one batched call of the fused
+    op (a packed row of short samples is a few calls, not one per sample). Yields the group's token
+    indices into q and into k / v, sample count, query length and key length."""
+    groups = {}
     for i in range(len(cu_seqlens_q) - 1):
-        q0, q1, k0, k1 = cu_seqlens_q[i], cu_seqlens_q[i + 1], cu_seqlens_k[i], cu_seqlens_k[i + 1]
-        if q1 > q0:
-            yield slice(q0, q1), slice(k0, k1), q1 - q0, k1 - k0
+        lq, lk = cu_seqlens_q[i + 1] - cu_seqlens_q[i], cu_seqlens_k[i + 1] - cu_seqlens_k[i]
+        if lq > 0:
+            groups.setdefault((lq, lk), []).append(i)
+    for (lq, lk), ids in groups.items():
+        q_starts = torch.tensor([cu_seqlens_q[i] for i in ids], device=device)
+        k_starts = torch.tensor([cu_seqlens_k[i] for i in ids], device=device)
+        q_index = (q_starts[:, None] + torch.arange(lq, device=device)).flatten()
+        k_index = (k_starts[:, None] + torch.arange(lk, device=device)).flatten()
+        yield q_index, k_index, len(ids), lq, lk
 
 
-def _heads_first(x, heads):
-    """(tokens, kv heads, dim) -> (1, heads, tokens, dim), repeating KV heads for grouped queries."""
-    x = x.transpose(0, 1)
-    if x.shape[0] != heads:
-        x = x.repeat_interleave(heads // x.shape[0], dim=0)
-    return x.unsqueeze(0).contiguous()
+def _heads_first(x, index, n, heads):
+    """Rows `index` of (tokens, kv heads, dim), n samples of equal length -> (n, heads, length, dim),
+    repeating KV heads for grouped queries."""
+    x = x[index].view(n, -1, x.shape[1], x.shape[2]).transpose(1, 2)
+    if x.shape[1] != heads:
+        x = x.repeat_interleave(heads // x.shape[1], dim=1)
+    return x.contiguous()
+
+
+def _tokens_first(x, n, length):
+    """(n, heads, length, dim) -> (n * length, heads, dim)."""
+    return x.transpose(1, 2).reshape(n * length, x.shape[1], x.shape[3])
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True):
@@ -63,13 +79,13 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=Tr
     heads = q.shape[1]
     out = torch.zeros_like(q)
     lse = torch.zeros(heads, q.shape[0], dtype=torch.float32, device=q.device)
-    for qs, ks, lq, lk in _per_sample(cu_seqlens_q, cu_seqlens_k):
+    for q_index, k_index, n, lq, lk in _same_length_groups(cu_seqlens_q, cu_seqlens_k, q.device):
         mask = _causal_mask(lq, lk, q) if causal and lq != lk else None
         o, s = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _heads_first(q[qs], heads), _heads_first(k[ks], heads), _heads_first(v[ks], heads), 0.0,
-            causal and lq == lk, attn_mask=mask, scale=softmax_scale)
-        out[qs] = o[0].transpose(0, 1)
-        lse[:, qs] = s[0]
+            _heads_first(q, q_index, n, heads), _heads_first(k, k_index, n, heads),
+            _heads_first(v, k_index, n, heads), 0.0, causal and lq == lk, attn_mask=mask, scale=softmax_scale)
+        out[q_index] = _tokens_first(o, n, lq)
+        lse[:, q_index] = s.transpose(0, 1).reshape(heads, n * lq)
     return out, lse
 
 
@@ -77,16 +93,18 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax
     """Gradients (dq, dk, dv) of varlen_forward, shaped like q, k, v (grouped heads summed back)."""
     heads, kv_heads = q.shape[1], k.shape[1]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for qs, ks, lq, lk in _per_sample(cu_seqlens_q, cu_seqlens_k):
+    for q_index, k_index, n, lq, lk in _same_length_groups(cu_seqlens_q, cu_seqlens_k, q.device):
         mask = _causal_mask(lq, lk, q) if causal and lq != lk else None
+        group_lse = lse[:, q_index].view(heads, n, lq).transpose(0, 1).contiguous()
         gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _heads_first(dout[qs], heads), _heads_first(q[qs], heads), _heads_first(k[ks], heads),
-            _heads_first(v[ks], heads), _heads_first(out[qs], heads), lse[:, qs].unsqueeze(0).contiguous(), 0.0,
-            causal and lq == lk, attn_mask=mask, scale=softmax_scale)
-        dq[qs] = gq[0].transpose(0, 1)
+            _heads_first(dout, q_index, n, heads), _heads_first(q, q_index, n, heads),
+            _heads_first(k, k_index, n, heads), _heads_first(v, k_index, n, heads),
+            _heads_first(out, q_index, n, heads), group_lse, 0.0, causal and lq == lk, attn_mask=mask,
+            scale=softmax_scale)
+        dq[q_index] = _tokens_first(gq, n, lq)
         group = heads // kv_heads
-        dk[ks] = gk[0].view(kv_heads, group, lk, -1).sum(1).transpose(0, 1)
-        dv[ks] = gv[0].view(kv_heads, group, lk, -1).sum(1).transpose(0, 1)
+        dk[k_index] = _tokens_first(gk.view(n, kv_heads, group, lk, -1).sum(2), n, lk)
+        dv[k_index] = _tokens_first(gv.view(n, kv_heads, group, lk, -1).sum(2), n, lk)
     return dq, dk, dv
 
 

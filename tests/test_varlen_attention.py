@@ -30,8 +30,8 @@ def reference_attention(q, k, v, cu_q, cu_k, scale):
 @pytest.mark.parametrize("heads,kv_heads,query_block", [(4, 4, False), (4, 2, False), (4, 1, True)])
 def test_kernel_matches_masked_attention(heads, kv_heads, query_block):
     torch.manual_seed(0)
-    lengths_k = [5, 1, 12, 7]
-    lengths_q = [3, 1, 4, 7] if query_block else lengths_k  # a query block at the end of each sample's keys
+    lengths_k = [5, 1, 12, 7, 5, 12, 5]  # repeated lengths: samples of one length run as one batched call
+    lengths_q = [3, 1, 4, 7, 3, 4, 2] if query_block else lengths_k  # a query block at the end of each sample's keys
     cu_k = [0] + torch.tensor(lengths_k).cumsum(0).tolist()
     cu_q = [0] + torch.tensor(lengths_q).cumsum(0).tolist()
     q = torch.randn(cu_q[-1], heads, 16, dtype=torch.float64)
@@ -63,7 +63,7 @@ def test_packed_batch_equals_each_sample_alone_under_sdpa(assets, arch):
 
     torch.manual_seed(0)
     path = f"{assets}/{arch}-0.5m"
-    lengths = [9, 17, 4, 30, 12, 21]
+    lengths = [9, 17, 4, 30, 12, 21, 9, 17, 9]
     samples = [{"input_ids": torch.randint(3, 250, (n,)).tolist(), "loss_mask": [1] * n} for n in lengths]
     grads, logps = {}, {}
     for impl in (NAME, "sdpa"):
