@@ -248,6 +248,9 @@ def parse_args(argv=None):
     n = args.n_samples_per_prompt
     if n < 1:
         raise ValueError(f"--n_samples_per_prompt must be >= 1, got {n}")
+    if args.dynamic_filtering and n < 2:
+        raise ValueError("--dynamic_filtering drops prompts whose samples all got the same reward: set "
+                         "--n_samples_per_prompt >= 2")
     rollout = args.rollout_batch_size * n
     if rollout % args.train.train_batch_size:
         raise ValueError(f"--rollout_batch_size {args.rollout_batch_size} x --n_samples_per_prompt {n} = {rollout} "

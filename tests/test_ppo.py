@@ -139,6 +139,8 @@ def test_argument_errors_and_critic_default(assets, tmp_path):
     other.save_pretrained(tmp_path / "other_tok")
     with pytest.raises(ValueError, match="has another tokenizer than --pretrain"):
         ppo.parse_args([*required, "--critic_pretrain", str(tmp_path / "other_tok")])
+    with pytest.raises(ValueError, match="--dynamic_filtering drops prompts"):
+        ppo.parse_args([*required, "--dynamic_filtering"])
     with pytest.raises(ValueError, match=r"--lambd_critic must be in \[0, 1\]"):
         ppo.parse_args([*required, "--lambd_critic", "1.5"])
     with pytest.raises(ValueError, match="critic ranks"):
