@@ -64,12 +64,16 @@ from common.data import (  # noqa: E402
 )
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
-    deepspeed_config, deepspeed_eval_config, device, finish, hold_ckpt_path,
+    deepspeed_eval_config, device, finish, hold_ckpt_path,
     init_distributed, is_rank0, load_causal_lm, load_checkpoint, optimizer_step, parse_cli, save_checkpoint,
     save_hf_model, script_ckpt_args, set_seed, uses_bf16, validate_common_args, world_size_from_env,
 )
 from common.packing import collate, lockstep_shard, one_row_per_batch, to_device  # noqa: E402
 from common.varlen_attention import default_attn_implementation  # noqa: E402
+from common.ring_attention import (  # noqa: E402
+    RingArgs, check_ring_model, data_parallel, ring_deepspeed_config, ring_response_logits, setup_ring,
+    validate_ring_args,
+)
 from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 from common.vllm_engine import (  # noqa: E402
     EngineArgs, EngineError, SamplingArgs, create_vllm_engine, default_max_num_seqs, resolve_max_model_len,
@@ -91,6 +95,7 @@ class Args:
     data: DataArgs = field(default_factory=DataArgs)
     ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
     log: LogArgs = field(default_factory=LogArgs)
+    ring: RingArgs = field(default_factory=RingArgs)
     vllm: StudentEngineArgs = field(default_factory=StudentEngineArgs)
     teacher_model: str = tyro.MISSING
     """Teacher: Hugging Face causal-LM directory (or hub name); its vocabulary equals the student's or extends it
@@ -124,7 +129,8 @@ class Args:
 
 def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
-    validate_common_args(args.model, args.train, args.ckpt, world_size_from_env())
+    dp_world = validate_ring_args(args.ring, world_size_from_env(), args.model, args.data)  # world / ring size
+    validate_common_args(args.model, args.train, args.ckpt, dp_world)
     validate_data_args(args.data, args.model.attn_implementation)
     if args.model.aux_loss_coef > 0:
         raise ValueError("--aux_loss_coef (MoE load balancing) is not implemented in distill.py")
@@ -138,6 +144,8 @@ def parse_args(argv=None):
         raise ValueError(f"--teacher_top_k must be >= 0, got {args.teacher_top_k}")
     if not 0 <= args.lmbda <= 1:
         raise ValueError(f"--lmbda must be in [0, 1], got {args.lmbda}")
+    if args.lmbda > 0 and args.ring.ring_attn_size > 1:
+        raise ValueError("--lmbda > 0 (on-policy samples) with --ring_attn_size > 1 is not supported")
     if args.lmbda > 0 and args.teacher_cache:
         raise ValueError("--teacher_cache holds the teacher's logits of the dataset responses; on-policy samples "
                          "(--lmbda > 0) need the live teacher")
@@ -420,6 +428,8 @@ def on_policy_samples(llm, sync, engine, samples, args, step):
 def main(args: Args):
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
+    ring = setup_ring(args.ring)  # None without --ring_attn_size
+    dp_rank, dp_world = data_parallel(ring)  # the ranks of a ring share their samples
     set_seed(args.train.seed)
     tokenizer = load_tokenizer(args.model.pretrain, args.data)
     vocab = check_teacher(args)  # the logits of both models are compared over the shared token ids
@@ -437,7 +447,7 @@ def main(args: Args):
     train_ds, eval_ds = rank0_first(prepare)
 
     batch_size, micro = args.train.train_batch_size, args.train.micro_train_batch_size
-    gas = accumulation_steps(batch_size, micro, world)
+    gas = accumulation_steps(batch_size, micro, dp_world)
     steps_per_epoch = len(train_ds) // batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train_ds)} training samples is fewer than --train_batch_size {batch_size}")
@@ -456,7 +466,7 @@ def main(args: Args):
             teacher = create_eval_engine(load_causal_lm(teacher_args, config), config)
         return teacher
 
-    one_row = one_row_per_batch(args.model.attn_implementation)
+    one_row = ring is not None or one_row_per_batch(args.model.attn_implementation)
     batch_fn = lambda samples: make_batch(samples, args, pad_id, one_row)  # noqa: E731
     train_cache = eval_cache = None
     if args.teacher_cache:
@@ -477,8 +487,9 @@ def main(args: Args):
     else:
         load_teacher()
 
-    ds_config = deepspeed_config(args.train, world)
+    ds_config = ring_deepspeed_config(args.train, world, ring)
     model = load_causal_lm(args.model, ds_config)
+    check_ring_model(model, ring)
     engine = create_train_engine(model, args.train, ds_config, total_steps)
     llm = sync = None
     if args.lmbda > 0:  # the student's sampler: a vLLM engine on rank 0, fed the trainer's weights
@@ -509,8 +520,8 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
-        per_rank = batch_size // world
-        local = step_indices[rank * per_rank : (rank + 1) * per_rank]
+        per_rank = batch_size // dp_world
+        local = step_indices[dp_rank * per_rank : (dp_rank + 1) * per_rank]
         samples = samples_of(train_ds, local)
         on_policy = random.Random(args.train.seed * 1_000_003 + step).random() < args.lmbda  # same draw on every rank
         metrics = {}
@@ -525,7 +536,8 @@ def main(args: Args):
         lr = engine.get_lr()[0]
         step_kd = step_nll = step_gap = 0.0
         for chunk, batch in zip(chunks, micro_batches):
-            logits, targets, counts = response_logits(engine, batch)
+            logits, targets, counts = (ring_response_logits(engine, batch, ring) if ring else
+                                       response_logits(engine, batch))
             if train_cache is not None:
                 t_values, t_ids = stack_cached(train_cache, [local[j] for j in chunk])
             else:
@@ -547,7 +559,7 @@ def main(args: Args):
             "train/loss": (args.kd_coef * step_kd + (1 - args.kd_coef) * step_nll) / step_tokens,
             "train/kd": step_kd / step_tokens, "train/nll": step_nll / step_tokens, "train/on_policy": float(on_policy),
             "train/lr": lr, "train/epoch": epoch, "train/grad_norm": grad_norm,
-            "perf/tokens_per_s": step_tokens / (time.time() - t0)})
+            "perf/tokens_per_s": step_tokens / args.ring.ring_attn_size / (time.time() - t0)})
         if on_policy:
             gap = torch.tensor(step_gap, device=device())
             dist.all_reduce(gap, op=dist.ReduceOp.MAX)

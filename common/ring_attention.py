@@ -320,3 +320,20 @@ def ring_response_logps(model, batch, ring):
     """`common.packing.response_logps` through ring_token_logps: per-sample sums of the loss tokens' log-probs."""
     logps, outputs = ring_token_logps(model, batch, ring)
     return per_sample_sum(logps * batch["loss_mask"], batch), outputs
+
+
+def ring_response_logits(model, batch, ring):
+    """For a one-row batch split over `ring`: (logits (N, V) in float32, targets (N,), loss tokens per sample) of
+    the N loss tokens in row order, as algos/distill.py's response_logits gives them. Each rank computes the
+    logits of the loss tokens its slice predicts; those rows (not the whole slice's) are all-gathered (autograd)."""
+    mask, index = batch["loss_mask"][0], batch["sample_index"][0]
+    cols = mask.nonzero().squeeze(1)  # one row, samples in order: row order is sample order
+    outputs, input_ids, lo, hi = _ring_forward(model, batch, ring)
+    local = hi - lo
+    owner = (cols - 1) // local  # the rank whose slice holds the logits that predict each loss token
+    counts = torch.bincount(owner, minlength=ring.size).tolist()
+    mine = outputs.logits[0, cols[owner == ring.rank] - 1 - lo].float()
+    width = max(counts)
+    gathered = _gather(F.pad(mine, (0, 0, 0, width - len(mine))), ring).view(ring.size, width, -1)
+    logits = torch.cat([gathered[r, : counts[r]] for r in range(ring.size)])
+    return logits, input_ids[0, cols], torch.bincount(index[cols], minlength=batch["num_samples"])
