@@ -428,8 +428,10 @@ def on_policy_samples(llm, sync, engine, samples, args, step):
 def main(args: Args):
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
+    # ---- boilerplate: ring attention (the same text in every script; tests/test_boilerplate.py) ----
     ring = setup_ring(args.ring)  # None without --ring_attn_size
     dp_rank, dp_world = data_parallel(ring)  # the ranks of a ring share their samples
+    # ---- end of boilerplate: ring attention ----
     set_seed(args.train.seed)
     tokenizer = load_tokenizer(args.model.pretrain, args.data)
     vocab = check_teacher(args)  # the logits of both models are compared over the shared token ids

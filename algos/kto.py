@@ -262,8 +262,10 @@ def evaluate(engine, ref, eval_ds, eval_ref, args, batch_fn):
 def main(args: Args):
     init_distributed()
     world = dist.get_world_size()
+    # ---- boilerplate: ring attention (the same text in every script; tests/test_boilerplate.py) ----
     ring = setup_ring(args.ring)  # None without --ring_attn_size
     dp_rank, dp_world = data_parallel(ring)  # the ranks of a ring share their samples
+    # ---- end of boilerplate: ring attention ----
     set_seed(args.train.seed)
     tokenizer = load_tokenizer(args.model.pretrain, args.data)
 
