@@ -9,6 +9,7 @@
 # munged runs on a socket in DIR with its own key, and the daemons listen on their own ports
 # (LOCAL_SLURM_PORT, default 16817, and the next one), so a system Slurm or munge is never touched. The node
 # offers LOCAL_SLURM_CPUS logical CPUs (default 8; more than the machine has is allowed) and no GPUs.
+# MinJobAge=5 keeps `sbatch --wait` polling every 2 s (with a longer one it backs off to 32 s between polls).
 set -euo pipefail
 cmd=${1:?usage: local_slurm.sh start|stop DIR}
 dir=${2:?usage: local_slurm.sh start|stop DIR}
@@ -79,7 +80,7 @@ MpiDefault=none
 SlurmdParameters=config_overrides
 ReturnToService=2
 KillWait=5
-MinJobAge=600
+MinJobAge=5
 NodeName=$node NodeAddr=127.0.0.1 CPUs=${LOCAL_SLURM_CPUS:-8} State=UNKNOWN
 PartitionName=local Nodes=$node Default=YES MaxTime=INFINITE State=UP
 EOF

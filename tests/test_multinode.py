@@ -17,7 +17,6 @@ import pytest
 from conftest import ROOT, read_jsonl
 
 pytestmark = pytest.mark.multinode
-REVERSE = f"{ROOT}/assets/data/reverse"
 
 
 def free_port():
@@ -48,9 +47,10 @@ def wait_all(runs, tmp_path, timeout=600):
 
 def test_sft_on_two_nodes_equals_one_node(assets, tmp_path):
     """1 node x 1 rank (2 accumulation steps) vs 2 nodes x 1 rank: the same global batch of 32."""
-    args = ["--pretrain", f"{assets}/llama-0.5m", "--dataset", f"{REVERSE}/sft_train.jsonl", "--input_key", "prompt",
-            "--output_key", "response", "--apply_chat_template", "--max_len", 64, "--max_samples", 256,
-            "--train_batch_size", 32, "--micro_train_batch_size", 16, "--learning_rate", 3e-3, "--zero_stage", 2]
+    args = ["--pretrain", f"{assets}/llama-0.5m", "--dataset", f"{assets}/data/reverse/sft_train.jsonl",
+            "--input_key", "prompt", "--output_key", "response", "--apply_chat_template", "--max_len", 64,
+            "--max_samples", 256, "--train_batch_size", 32, "--micro_train_batch_size", 16, "--learning_rate", 3e-3,
+            "--zero_stage", 2]
     port = free_port()
     node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "multinode-test",
@@ -131,8 +131,8 @@ def trainer_logs(temp_dir):
 
 
 def test_grpo_trainer_group_across_two_ray_nodes_equals_one_node(assets, rl_start_model, tmp_path):
-    args = ["--pretrain", rl_start_model, "--prompt_data", f"{REVERSE}/rl_train.jsonl", "--input_key", "prompt",
-            "--label_key", "answer", "--apply_chat_template", "--remote_rm_url",
+    args = ["--pretrain", rl_start_model, "--prompt_data", f"{assets}/data/reverse/rl_train.jsonl",
+            "--input_key", "prompt", "--label_key", "answer", "--apply_chat_template", "--remote_rm_url",
             f"{ROOT}/launch/rewards/exact_match.py", "--n_samples_per_prompt", 4, "--rollout_batch_size", 8,
             "--train_batch_size", 16, "--micro_train_batch_size", 8, "--micro_rollout_batch_size", 8,
             "--prompt_max_len", 48, "--generate_max_len", 16, "--max_model_len", 128, "--max_steps", 2,

@@ -8,6 +8,7 @@ CI these tests fail rather than skip when Slurm is missing."""
 import os
 import re
 import shutil
+import socket
 import subprocess
 import time
 
@@ -22,6 +23,19 @@ ONE_NODE = ["--nodes", "1", "--gpus-per-node", "0"]
 REVERSE = f"{ROOT}/assets/data/reverse"
 
 
+def two_free_ports():
+    """A port p with p + 1 also free (slurmctld's and slurmd's), so another local Slurm here does not collide."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("", 0))
+            try:
+                b.bind(("", a.getsockname()[1] + 1))
+            except OSError:
+                continue
+            return a.getsockname()[1]
+    raise RuntimeError("no two consecutive free ports")
+
+
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     why = (f"Slurm not installed ({', '.join(MISSING)} missing: apt-get install -y slurm-wlm munge)" if MISSING
@@ -32,7 +46,8 @@ def slurm(tmp_path_factory):
         pytest.skip(why)
     state = tmp_path_factory.mktemp("slurm")
     script = os.path.join(ROOT, "launch", "local_slurm.sh")
-    subprocess.run(["bash", script, "start", state], check=True, timeout=120)
+    subprocess.run(["bash", script, "start", state], check=True, timeout=120,
+                   env={**os.environ, "LOCAL_SLURM_PORT": str(two_free_ports())})
     env = {**os.environ, "SLURM_CONF": f"{state}/slurm.conf", "PATH": os.environ["PATH"] + ":/usr/sbin",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", f"{ROOT}/.venv/torch_extensions"),
            "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline",
