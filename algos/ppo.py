@@ -46,7 +46,7 @@ from common.engine import (  # noqa: E402
     load_checkpoint, optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed,
     validate_common_args,
 )
-from common.packing import collate, to_device, token_logps, unpack  # noqa: E402
+from common.packing import collate, one_row_per_batch, to_device, token_logps, unpack  # noqa: E402
 from common.reward import unwrap  # noqa: E402
 from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
@@ -514,9 +514,9 @@ def token_sample(s):
             "loss_mask": [0] * len(s["prompt_ids"]) + [0 if s.get("masked") else 1] * len(s["response_ids"])}
 
 
-def make_batch(samples, pad_id, max_tokens, flash, values=()):
+def make_batch(samples, pad_id, max_tokens, one_row, values=()):
     """Collate samples (packed), and lay each named per-response-token value out like the tokens."""
-    batch = collate([token_sample(s) for s in samples], pad_id, packing=True, max_tokens=max_tokens, one_row=flash)
+    batch = collate([token_sample(s) for s in samples], pad_id, packing=True, max_tokens=max_tokens, one_row=one_row)
     for key in values:
         laid = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         for s, (r, start, n) in zip(samples, batch["spans"]):
@@ -526,9 +526,9 @@ def make_batch(samples, pad_id, max_tokens, flash, values=()):
     return batch
 
 
-def ptx_batch(rows, pad_id, max_tokens, flash, num_micro):
+def ptx_batch(rows, pad_id, max_tokens, one_row, num_micro):
     """Collated pretraining rows (loss on every token), tagged with the step's micro-batch count."""
-    batch = collate(rows, pad_id, packing=True, max_tokens=max_tokens, one_row=flash)
+    batch = collate(rows, pad_id, packing=True, max_tokens=max_tokens, one_row=one_row)
     batch["num_micro"] = num_micro
     return batch
 
@@ -629,14 +629,14 @@ class GroupMember:
         totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
         for k, samples in enumerate(steps):
             max_tokens = self.max_tokens(samples)
-            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, max_tokens, self.flash, values),
+            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, max_tokens, self.one_row, values),
                                  device())
                        for i in range(0, len(samples), micro)]
             ptx = [None] * len(batches)
             if ptx_steps:
                 rows = ptx_steps[k]
-                ptx = [to_device(ptx_batch(rows[i : i + micro], self.pad_id, max_tokens, self.flash, gas * self.world),
-                                 device()) for i in range(0, len(rows), micro)]
+                ptx = [to_device(ptx_batch(rows[i : i + micro], self.pad_id, max_tokens, self.one_row,
+                                           gas * self.world), device()) for i in range(0, len(rows), micro)]
             tokens, sequences = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in batches),
                                                 sum(not s.get("masked") for s in samples)])
             normaliser = float(max(tokens if args.loss_agg == "token" else sequences, 1))
@@ -669,7 +669,7 @@ class PolicyTrainer(GroupMember):
         args, self.ckpt_dir = self.args, os.path.join(self.args.ckpt.ckpt_path, "actor")
         ds_config = deepspeed_config(args.train, self.world)
         model = load_causal_lm(args.model, ds_config)
-        self.flash = model.config._attn_implementation.startswith("flash")
+        self.one_row = one_row_per_batch(model.config._attn_implementation)
         self.engine = create_train_engine(model, args.train, ds_config, num_training_steps)
         self.ref = None
         if args.init_kl_coef > 0:  # coefficient 0: no reference model at all
@@ -699,7 +699,7 @@ class PolicyTrainer(GroupMember):
         micro, max_tokens = self.args.micro_rollout_batch_size, self.max_tokens(samples)
         for start in range(0, len(samples), micro):
             chunk = samples[start : start + micro]
-            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.flash), device())
+            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.one_row), device())
             for key, model in (("old_logps", self.engine if policy else None), ("ref_logps", self.ref)):
                 if model is None:
                     continue
@@ -733,7 +733,7 @@ class CriticTrainer(GroupMember):
         ds_config = deepspeed_config(train_args, self.world)
         model = load_causal_lm(model_args, ds_config, model_cls=AutoModelForSequenceClassification, num_labels=1,
                                pad_token_id=self.pad_id)
-        self.flash = model.config._attn_implementation.startswith("flash")
+        self.one_row = one_row_per_batch(model.config._attn_implementation)
         self.engine = create_train_engine(model, train_args, ds_config, num_training_steps)
         return True
 
@@ -744,7 +744,7 @@ class CriticTrainer(GroupMember):
         out, micro, max_tokens = [], self.args.micro_rollout_batch_size, self.max_tokens(samples)
         for start in range(0, len(samples), micro):
             chunk = samples[start : start + micro]
-            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.flash), device())
+            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.one_row), device())
             values = token_values(self.engine, batch, self.args.value_head_prefix)
             out += [t[len(s["prompt_ids"]):].cpu().tolist() for s, t in zip(chunk, unpack(values, batch))]
         self.engine.train()
