@@ -63,7 +63,7 @@ def test_sft_on_two_nodes_equals_one_node(assets, tmp_path):
     two = [m["train/loss"] for m in read_jsonl(tmp_path / "two.jsonl") if "train/loss" in m]
     assert len(one) == len(two) == 8  # 256 samples / 32
     diff = max(abs(a - b) for a, b in zip(one, two))
-    assert diff <= 1e-4, (one, two)
+    assert diff <= 1e-5, (one, two)  # measured 0 to 2.9e-7
     assert one[-1] < one[0] - 1.0, one  # and it is training
     print(f"sft 2 nodes vs 1: max |loss diff| over {len(one)} steps {diff:.2e}")
 
