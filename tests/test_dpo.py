@@ -10,6 +10,8 @@ import pytest
 import torch
 from conftest import load_algo, max_weight_diff, read_jsonl, run_script
 
+from common.packing import response_logps
+
 TASK = ["--apply_chat_template", "--max_len", "64"]
 
 
@@ -67,7 +69,7 @@ def test_cached_reference_equals_live(assets, sft_model):
     with torch.no_grad():
         for k in range(0, 48, 6):
             idx = order[k : k + 6]
-            live, _ = dpo.response_logps(model, batch_fn(dpo.pair_samples(ds, idx)))
+            live, _ = response_logps(model, batch_fn(dpo.pair_samples(ds, idx)))
             worst = max(worst, (live - torch.cat([cached[idx, 0], cached[idx, 1]])).abs().max().item())
     assert worst <= 1e-5, worst
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 from conftest import load_algo, max_weight_diff, read_jsonl, run_script
 
+from common.packing import response_logps
+
 TASK = ["--apply_chat_template", "--max_len", "64"]
 
 
@@ -119,7 +121,7 @@ def test_cached_reference_equals_live(assets, sft_model):
     with torch.no_grad():
         for idx in micro_batches:
             pairs = [(i, i) for i in idx] + kto.kl_pairs(idx)
-            live, _ = kto.response_logps(model, batch_fn(kto.kto_samples(ds, pairs, 64)))
+            live, _ = response_logps(model, batch_fn(kto.kto_samples(ds, pairs, 64)))
             worst = max(worst, (live - cached[[position[p] for p in pairs]]).abs().max().item())
     assert worst <= 1e-5, worst
     assert (cached < 0).all()
