@@ -1,7 +1,7 @@
-"""Packing: bin-pack variable-length samples into rows with `position_ids` restarting at 0 per sample
-and no attention mask, so transformers runs flash-attention's varlen kernel on CUDA and a
-block-diagonal SDPA mask on CPU; plus the padded layout kept for comparison, and the per-token
-log-prob forward both share.
+"""Packing: variable-length samples in rows with `position_ids` restarting at 0 per sample and no
+attention mask. With a per-sample kernel (flash-attention's varlen on CUDA, varlen_sdpa on CPU) a
+micro-batch is one row; with masked attention (sdpa, eager) samples are bin-packed into bounded rows.
+Plus the padded layout kept for comparison, and the per-token log-prob forward both share.
 
 A sample is a dict with `input_ids` (list of ints) and `loss_mask` (list of 0/1: 1 where the token
 is a target whose log-prob counts).
@@ -46,7 +46,7 @@ def collate(samples, pad_token_id, packing=True, max_tokens=None, one_row=False)
     """Batch samples as tensors of shape (rows, length).
 
     packing=True: bin-packed rows of at most `max_tokens` (one row for all with `one_row`, as
-    flash-attention's varlen path wants), no attention mask. packing=False: one right-padded
+    per-sample kernels want), no attention mask. packing=False: one right-padded
     sample per row with an attention mask. Either way `sample_index` maps each token to its
     sample (-1 on padding) and `spans[i] = (row, start, length)` locates sample i.
     """
