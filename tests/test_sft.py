@@ -78,9 +78,10 @@ def test_sft_learns_and_exports(assets, tmp_path, zero_stage, dtype):
 def test_loss_normalisation_across_accumulation_and_ranks(assets, tmp_path):
     """One optimizer step over 8 samples of different lengths gives the same loss, gradient norm and
     weights with micro 8, micro 1 x 8 accumulation steps, 2 ranks, ZeRO-1/2/3, padded rows, gradient
-    checkpointing, optimizer offload (DeepSpeedCPUAdam) and parameter offload; and the gradient is
-    that of the token mean over all 8 samples.  (Adam's first step is lr * sign(g) where
-    |g| >> eps, so lr 1e-4 keeps float-summation noise on near-zero gradients below 1e-5.)"""
+    checkpointing, optimizer offload (DeepSpeedCPUAdam) and parameter offload; the gradient is that of
+    the token mean over all 8 samples, and the weights those of one plain (per-op) torch AdamW step (the
+    engine runs the fused CPU kernel).  (Adam's first step is lr * sign(g) where |g| >> eps, so lr 1e-4
+    keeps float-summation noise on near-zero gradients below 1e-5.)"""
     data = f"{assets}/data/reverse/sft_train.jsonl"
     common = ["--pretrain", f"{assets}/llama-0.5m", "--dataset", data, *TASK, "--max_samples", 8,
               "--train_batch_size", 8, "--learning_rate", 1e-4, "--max_norm", 0, "--seed", 1]
@@ -111,6 +112,9 @@ def test_loss_normalisation_across_accumulation_and_ranks(assets, tmp_path):
     loss = -(logps * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
     loss.backward()
     grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters())).item()
+    # the plain path of the optimizer step: torch's per-op AdamW (the engine runs the fused CPU kernel)
+    torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, foreach=False).step()
+    plain = {k: v.detach() for k, v in model.state_dict().items()}
 
     ref_loss, ref_norm, ref_out = results["micro8"]
     assert abs(ref_loss - loss.item()) <= 1e-5, (ref_loss, loss.item())
@@ -119,6 +123,8 @@ def test_loss_normalisation_across_accumulation_and_ranks(assets, tmp_path):
         assert abs(loss_ - ref_loss) <= 1e-5, (name, loss_, ref_loss)
         assert abs(n - ref_norm) <= 1e-5 * ref_norm, (name, n, ref_norm)
         assert max_weight_diff(out, ref_out) <= 1e-5, name
+    trained = weights(ref_out)
+    assert max((trained[k] - plain[k]).abs().max().item() for k in trained) <= 1e-6
 
 
 def test_zero3_eval_with_uneven_shards(assets, tmp_path):
