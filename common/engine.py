@@ -204,10 +204,8 @@ def init_distributed(timeout_s=None):
 
 
 def die_with_launcher():
-    """Have the kernel SIGKILL this process when its parent (the torchrun launcher) dies. torchrun
-    starts each worker in a session of its own, so a launcher killed with SIGKILL (the OOM killer, a
-    lost shell) would otherwise leave its workers training and writing checkpoints. Linux only; not
-    for Ray actors, whose parent is a Ray worker process."""
+    """Have the kernel SIGKILL this torchrun worker when its launcher dies (torchrun puts workers in sessions of
+    their own, so a launcher lost to the OOM killer would leave them training). Linux only; not for Ray actors."""
     if not sys.platform.startswith("linux"):
         return
     PR_SET_PDEATHSIG = 1
@@ -221,22 +219,12 @@ def die_with_launcher():
 
 
 def finish(error=None):
-    """End a script whose main() returned: run what a normal interpreter exit runs first (join
-    non-daemon threads; atexit hooks: vLLM engine and Ray shutdown, W&B, logging, multiprocessing
-    children, temporary directories), flush, then os._exit(0).
-
-    Why: C++ background threads outlive main() through Python's teardown and the C++ static
-    destructors: the gloo groups DeepSpeed keeps (two per rank, still running after
-    destroy_process_group), a weight-sync group and its TCPStore, vLLM's zmq threads. torchrun
-    workers occasionally aborted in that teardown ("terminate called without an active
-    exception", SIGABRT) after all their work was done; os._exit skips it. No collective here:
-    ranks may arrive at different times, and a world of one (plain `python`) works the same.
-    Call it from `if __name__ == "__main__":` after main(), so code that calls main() in-process
-    (a test) is never exited, and a main() that raised never reaches the exit code 0.
-
-    With `error` (a ValueError that main() raised alike on every rank: a data error, shared by
-    common.data.rank0_first, or a check on the prepared data), rank 0 prints `error: <message>` as
-    argument errors read, with no traceback, and every rank exits 1."""
+    """End a script whose main() returned: run what a normal exit runs first (join non-daemon threads, atexit
+    hooks: vLLM and Ray shutdown, W&B, temporary directories), flush, then os._exit. Why: C++ threads (DeepSpeed's
+    gloo groups, a weight-sync TCPStore, vLLM's zmq) occasionally aborted the interpreter's teardown with SIGABRT
+    after all work was done. Call it under `if __name__ == "__main__":`, so a test calling main() is never exited.
+    With `error` (a ValueError raised alike on every rank, e.g. a data error), rank 0 prints `error: <message>`
+    and every rank exits 1."""
     if error is not None and is_rank0():
         print(f"error: {error}", file=sys.stderr)
     threading._shutdown()  # what the interpreter runs before the atexit hooks
@@ -293,11 +281,9 @@ def uses_bf16(train: TrainArgs):
 
 
 def precision_config(train: TrainArgs):
-    """DeepSpeed's precision settings for --param_dtype. bf16 on CUDA: bf16 weights with fp32 master weights
-    and optimizer states (DeepSpeed's bf16 mode). bf16 on CPU: fp32 weights, forward under torch.autocast
-    (DeepSpeed's torch_autocast: linear layers in bf16; norms, attention, the residual stream and the
-    optimizer in fp32): on the 8.5M Llama, one thread, 3,500 tokens per CPU-second against 2,600 for bf16
-    weights and 1,500 for fp32 (benchmarks/vs_trl.py). The log-softmax and the losses are fp32 either way."""
+    """DeepSpeed's precision settings for --param_dtype. bf16 on CUDA: DeepSpeed's bf16 mode (bf16 weights, fp32
+    master weights and optimizer states). bf16 on CPU: fp32 weights, linear layers under torch.autocast (DeepSpeed's
+    torch_autocast), 2.3x fp32's tokens per CPU-second on the 8.5M Llama. Log-softmax and losses stay fp32."""
     bf16, cuda = uses_bf16(train), torch.cuda.is_available()
     autocast = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}} if bf16 and not cuda else {}
     return {"bf16": {"enabled": bf16 and cuda}, **autocast}
@@ -488,11 +474,10 @@ _CKPT_LOCKS = []  # open lock files: a flock lasts as long as its file descripto
 
 
 def hold_ckpt_path(ckpt: CkptArgs):
-    """Make this run the only writer of --ckpt_path, when it saves or loads checkpoints: rank 0 takes
-    an exclusive flock on --ckpt_path/run.lock, writes its pid and host there, and keeps it until it
-    exits; while it does, a second run raises ValueError naming it. The kernel drops a flock when its
-    process dies, however it dies, so a lock file a dead run left is stale and is taken over.
-    Needs no process group (the rank comes from the environment): call it before anything loads."""
+    """Make this run the only writer of --ckpt_path when it saves or loads checkpoints: rank 0 holds an exclusive
+    flock on --ckpt_path/run.lock (holding its pid and host) until it exits, and a second run raises ValueError
+    naming it. The kernel drops a flock when its process dies, so a dead run's lock is taken over. Needs no
+    process group: call it before anything loads."""
     if not (ckpt.save_steps > 0 or ckpt.load_checkpoint) or os.environ.get("RANK", "0") != "0":
         return
     os.makedirs(ckpt.ckpt_path, exist_ok=True)

@@ -1,26 +1,15 @@
-"""Ring attention (context parallelism, OpenRLHF's --ring_attn_size / --ring_head_stride): the
-ranks of a ring share one packed row, each keeps a contiguous slice of its tokens, and attention
-all-gathers keys / values over the ring (ring-flash-attn's llama3 varlen algorithm).
+"""Ring attention (context parallelism, OpenRLHF's --ring_attn_size / --ring_head_stride): the ranks of a ring
+share one packed row, each keeps a contiguous slice of its tokens, and attention all-gathers keys / values over
+the ring: ring-flash-attn 0.1.8's `llama3_flash_attn_varlen_func`, registered with transformers under NAME (no
+"flash" in it: transformers treats such names as flash-attention builds). On CUDA it runs over flash-attn; on
+CPU over common.varlen_attention's kernels, shown to ring-flash-attn as flash_attn only while it imports.
 
-- The algorithm is ring-flash-attn 0.1.8's `llama3_flash_attn_varlen_func`, called from an attention
-  implementation registered with transformers under NAME (no "flash" in it: transformers treats any
-  such name as a flash-attention build). On CUDA it runs over flash-attn's varlen kernels. On CPU the
-  same library code runs over common.varlen_attention's kernels, wrapped in flash-attn's private
-  `_flash_attn_varlen_forward/_backward` contract and shown to ring-flash-attn only while it imports:
-  transformers never sees a fake flash_attn.
-- A ring is --ring_attn_size consecutive ranks; the data-parallel size is world / ring size, and the
-  ranks of a ring get the same micro-batches. Each micro-batch of a ring is one packed row
-  (`collate(..., one_row=True)`); `ring_token_logps` pads it to a multiple of the ring size, forwards
-  this rank's slice with its global position ids (next-token targets taken before the split) and
-  all-gathers the per-token log-probs over the ring with an autograd all-gather, so it returns what
-  `common.packing.token_logps` returns for the whole row, identical on every rank of the ring.
-- Per-sample boundaries reach the attention as a model-call keyword (`ring_params`), not as module
-  state. A call without it (a reference model's cache pass, say) is plain per-sample attention.
-- Batch arithmetic: DeepSpeed sees every rank as data-parallel, so it gets `train_batch_size x ring
-  size` (`ring_deepspeed_config`) with accumulation from the data-parallel size. A script's loss,
-  normalised by a token count all-reduced over the whole world (ring size x the true count), needs no
-  change: the ring's gather backward sums ring size equal copies of each gradient, which that count
-  cancels; logged ratios carry the factor on both sides.
+`ring_token_logps` pads a one-row micro-batch to a multiple of the ring size, forwards this rank's slice with its
+global position ids (next-token targets taken before the split; sample boundaries passed as the `ring_params`
+call keyword) and all-gathers the log-probs with an autograd all-gather: it returns what
+`common.packing.token_logps` returns for the whole row. DeepSpeed counts every rank as data-parallel, so it gets
+`train_batch_size x ring size`; a loss normalised by a token count all-reduced over the world needs no change
+(the gather's backward sums ring-size equal copies of each gradient, which that count cancels).
 """
 
 import dataclasses
