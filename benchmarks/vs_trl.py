@@ -64,6 +64,8 @@ class Args:
     """Our --param_dtype (default: bf16 where the CPU multiplies bf16 natively, else fp32)."""
     rounds: int = 2
     """Alternating rounds per algorithm; the best round of each side is reported."""
+    algos: str = "sft,dpo,grpo"
+    """Comma list of the algorithms to compare (sft, dpo, grpo)."""
 
 
 TRL_SFT = r"""
@@ -203,59 +205,62 @@ def ours_grpo(args, data, tmp, r, dtype):
 def main(args: Args):
     from common.engine import cpu_has_native_bf16
 
+    chosen = [a.strip() for a in args.algos.split(",") if a.strip()]
+    if not chosen or set(chosen) - {"sft", "dpo", "grpo"}:
+        sys.exit(f"error: --algos takes a comma list of sft, dpo, grpo; got {args.algos!r}")
     ensure_trl(args.trl_dir)
     dtype = args.param_dtype or ("bf16" if cpu_has_native_bf16() else "fp32")
     trl_env = {"PYTHONPATH": args.trl_dir, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+    ours_env = {"TOKENIZERS_PARALLELISM": "false"}
     data = os.path.join(args.assets, "data", "reverse")
     sft_data, pref_data = os.path.join(data, "sft_train.jsonl"), os.path.join(data, "pref_train.jsonl")
-    per_sample = mean_sft_tokens(args, sft_data)
-    trl_rows = max(1, round(args.sft_batch * per_sample / args.max_len))  # rows carrying as many tokens
-    results = {a: {"ours": [], "trl": []} for a in ("sft", "dpo", "grpo")}
+    results = {a: {"ours": [], "trl": []} for a in chosen}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            metrics = os.path.join(tmp, f"sft{r}.jsonl")
-            run([sys.executable, "algos/sft.py", "--pretrain", args.model, "--dataset", sft_data,
-                 "--input_key", "prompt", "--output_key", "response", "--apply_chat_template",
-                 "--max_len", str(args.max_len),
-                 "--max_samples", str(args.samples),
-                 "--train_batch_size", str(args.sft_batch), "--micro_train_batch_size", str(args.sft_batch),
-                 "--zero_stage", "0", "--param_dtype", dtype, "--save_path", os.path.join(tmp, "sft"),
-                 "--metrics_file", metrics],
-                env={"TOKENIZERS_PARALLELISM": "false"})
-            results["sft"]["ours"].append(after_first(metrics, "perf/samples_per_s") * per_sample)
-            out = run([sys.executable, "-c", TRL_SFT, args.model, sft_data, str(args.samples), str(trl_rows),
-                       str(args.max_len), os.path.join(tmp, "trl_sft")], env=trl_env)
-            results["sft"]["trl"].append(json.loads(out.strip().splitlines()[-1])["tokens_per_s"])
-
-            metrics = os.path.join(tmp, f"dpo{r}.jsonl")
-            run([sys.executable, "algos/dpo.py", "--pretrain", args.model, "--dataset", pref_data, "--input_key",
-                 "prompt", "--apply_chat_template", "--skip_bad_rows", "--max_len", str(args.max_len),
-                 "--max_samples", str(args.samples), "--train_batch_size", str(args.dpo_batch),
-                 "--micro_train_batch_size", str(args.dpo_batch), "--zero_stage", "0", "--param_dtype", dtype,
-                 "--save_path", os.path.join(tmp, "dpo"), "--metrics_file", metrics],
-                env={"TOKENIZERS_PARALLELISM": "false"})
-            results["dpo"]["ours"].append(after_first(metrics, "perf/pairs_per_s"))
-            out = run([sys.executable, "-c", TRL_DPO, args.model, pref_data, str(args.samples), str(args.dpo_batch),
-                       str(args.max_len), os.path.join(tmp, "trl_dpo")], env=trl_env)
-            results["dpo"]["trl"].append(json.loads(out.strip().splitlines()[-1])["pairs_per_s"])
-
-            results["grpo"]["ours"].append(ours_grpo(args, data, tmp, r, dtype))
-            out = run([sys.executable, "-c", TRL_GRPO, args.model, os.path.join(data, "rl_train.jsonl"),
-                       str(args.grpo_prompts), str(args.grpo_samples), str(args.grpo_max_len), str(args.grpo_steps),
-                       os.path.join(tmp, "trl_grpo")], env=trl_env)
-            results["grpo"]["trl"].append(json.loads(out.strip().splitlines()[-1])["step_s"])
+            if "sft" in chosen:
+                per_sample = mean_sft_tokens(args, sft_data)
+                trl_rows = max(1, round(args.sft_batch * per_sample / args.max_len))  # rows carrying as many tokens
+                metrics = os.path.join(tmp, f"sft{r}.jsonl")
+                run([sys.executable, "algos/sft.py", "--pretrain", args.model, "--dataset", sft_data,
+                     "--input_key", "prompt", "--output_key", "response", "--apply_chat_template",
+                     "--max_len", str(args.max_len), "--max_samples", str(args.samples),
+                     "--train_batch_size", str(args.sft_batch), "--micro_train_batch_size", str(args.sft_batch),
+                     "--zero_stage", "0", "--param_dtype", dtype, "--save_path", os.path.join(tmp, "sft"),
+                     "--metrics_file", metrics], env=ours_env)
+                results["sft"]["ours"].append(after_first(metrics, "perf/samples_per_s") * per_sample)
+                out = run([sys.executable, "-c", TRL_SFT, args.model, sft_data, str(args.samples), str(trl_rows),
+                           str(args.max_len), os.path.join(tmp, "trl_sft")], env=trl_env)
+                results["sft"]["trl"].append(json.loads(out.strip().splitlines()[-1])["tokens_per_s"])
+            if "dpo" in chosen:
+                metrics = os.path.join(tmp, f"dpo{r}.jsonl")
+                run([sys.executable, "algos/dpo.py", "--pretrain", args.model, "--dataset", pref_data,
+                     "--input_key", "prompt", "--apply_chat_template", "--skip_bad_rows", "--max_len",
+                     str(args.max_len), "--max_samples", str(args.samples), "--train_batch_size", str(args.dpo_batch),
+                     "--micro_train_batch_size", str(args.dpo_batch), "--zero_stage", "0", "--param_dtype", dtype,
+                     "--save_path", os.path.join(tmp, "dpo"), "--metrics_file", metrics], env=ours_env)
+                results["dpo"]["ours"].append(after_first(metrics, "perf/pairs_per_s"))
+                out = run([sys.executable, "-c", TRL_DPO, args.model, pref_data, str(args.samples),
+                           str(args.dpo_batch), str(args.max_len), os.path.join(tmp, "trl_dpo")], env=trl_env)
+                results["dpo"]["trl"].append(json.loads(out.strip().splitlines()[-1])["pairs_per_s"])
+            if "grpo" in chosen:
+                results["grpo"]["ours"].append(ours_grpo(args, data, tmp, r, dtype))
+                out = run([sys.executable, "-c", TRL_GRPO, args.model, os.path.join(data, "rl_train.jsonl"),
+                           str(args.grpo_prompts), str(args.grpo_samples), str(args.grpo_max_len),
+                           str(args.grpo_steps), os.path.join(tmp, "trl_grpo")], env=trl_env)
+                results["grpo"]["trl"].append(json.loads(out.strip().splitlines()[-1])["step_s"])
             print(f"round {r + 1}: " + json.dumps({a: {s: round(v[-1], 1) for s, v in sides.items()}
                                                    for a, sides in results.items()}), flush=True)
     print(f"\nmodel {args.model}, {args.samples} samples per run, best of {args.rounds} alternating rounds, CPU, "
           f"ours {dtype}, TRL fp32")
     print(f"{'algorithm':<10} {'unit':<14} {'minrlhf':>10} {'TRL ' + TRL_VERSION:>10} {'ours/TRL':>9}")
     for algo, unit in (("sft", "tokens/s"), ("dpo", "pairs/s")):
-        ours, trl = max(results[algo]["ours"]), max(results[algo]["trl"])
-        print(f"{algo:<10} {unit:<14} {ours:>10.1f} {trl:>10.1f} {ours / trl:>8.2f}x")
-    ours, trl = min(results["grpo"]["ours"]), min(results["grpo"]["trl"])
-    shape = f"s/step {args.grpo_prompts}x{args.grpo_samples}"
-    print(f"{'grpo':<10} {shape:<14} {ours:>10.2f} {trl:>10.2f} {ours / trl:>8.2f}x (time: lower is better)")
-
+        if algo in chosen:
+            ours, trl = max(results[algo]["ours"]), max(results[algo]["trl"])
+            print(f"{algo:<10} {unit:<14} {ours:>10.1f} {trl:>10.1f} {ours / trl:>8.2f}x")
+    if "grpo" in chosen:
+        ours, trl = min(results["grpo"]["ours"]), min(results["grpo"]["trl"])
+        shape = f"s/step {args.grpo_prompts}x{args.grpo_samples}"
+        print(f"{'grpo':<10} {shape:<14} {ours:>10.2f} {trl:>10.2f} {ours / trl:>8.2f}x (time: lower is better)")
 
 if __name__ == "__main__":
     main(tyro.cli(Args, use_underscores=True, description=__doc__))
