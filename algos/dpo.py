@@ -8,7 +8,9 @@ optional NLL term on the chosen response (--nll_loss_coef).
 Each row holds a prompt, a chosen and a rejected response.  log π(y) is the sum of the log-probs of
 the response tokens, h = (log π(y_w) - log π_ref(y_w)) - (log π(y_l) - log π_ref(y_l)), and the loss
 of a pair is -(1-ε)·log σ(βh) - ε·log σ(-βh) (DPO; ε = --label_smoothing), or (h - 1/(2β))² (IPO).
-Chosen and rejected responses run in one packed forward.
+Chosen and rejected responses run in one packed forward; with the CPU kernel (varlen_sdpa) each rejected
+response is a branch of its chosen sample's prompt, so the prompt is computed once per pair (equal to two
+whole samples: tests/test_packing.py; common.packing.collate's share_prefixes).
 
 Normalisation: the loss is the mean over all pairs of the optimizer step.  Every micro-batch holds
 --micro_train_batch_size pairs, so the micro-batch mean, which DeepSpeed divides by the accumulation
@@ -57,6 +59,7 @@ from common.ring_attention import (  # noqa: E402
     validate_ring_args,
 )
 from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
+from common.varlen_attention import NAME as VARLEN_ATTENTION  # noqa: E402
 
 
 @dataclass
@@ -133,17 +136,22 @@ def pref_row(row, tokenizer, args: Args):
 
 
 def pair_samples(ds, indices):
-    """The chosen samples of the pairs `indices`, then their rejected samples (one packed forward)."""
+    """The chosen samples of the pairs `indices`, then their rejected samples (one packed forward); each
+    rejected sample names the prompt it shares with its chosen one (used with make_batch's share_prompt)."""
     rows = ds[list(indices)]
-    return [{"input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r)}
-            for key in ("chosen_ids", "rejected_ids") for p, r in zip(rows["prompt_ids"], rows[key])]
+    chosen = [{"input_ids": p + c, "loss_mask": [0] * len(p) + [1] * len(c)}
+              for p, c in zip(rows["prompt_ids"], rows["chosen_ids"])]
+    rejected = [{"input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r), "prefix_of": i, "prefix_len": len(p)}
+                for i, (p, r) in enumerate(zip(rows["prompt_ids"], rows["rejected_ids"]))]
+    return chosen + rejected
 
 
-def make_batch(samples, args, pad_id, one_row):
+def make_batch(samples, args, pad_id, one_row, share_prompt=False):
     """Packed rows (one row with a per-sample attention kernel, see common.packing.one_row_per_batch), or
-    padded rows."""
+    padded rows; with share_prompt, rejected responses as branches of their chosen samples' prompts."""
     return collate(samples, pad_id, packing=args.data.packing_samples,
-                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=one_row)
+                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=one_row,
+                   share_prefixes=share_prompt)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,7 +242,9 @@ def main(args: Args):
                          attn_implementation=args.model.attn_implementation, load_in_4bit=args.model.load_in_4bit)
     ref = create_eval_engine(load_causal_lm(ref_args, ref_config), ref_config)
     one_row = ring is not None or one_row_per_batch(ref.module.config._attn_implementation)
-    batch_fn = lambda samples: make_batch(samples, args, pad_id, one_row)  # noqa: E731
+    share_prompt = (ring is None and args.data.packing_samples  # the varlen kernel reads branches from positions
+                    and ref.module.config._attn_implementation == VARLEN_ATTENTION)
+    batch_fn = lambda samples: make_batch(samples, args, pad_id, one_row, share_prompt)  # noqa: E731
     ref_cache = eval_ref_cache = None
     if args.ref_cache:
         t0 = time.time()

@@ -42,17 +42,38 @@ def one_row_per_batch(attn_implementation=None):
     return name.startswith("flash") or name == NAME
 
 
-def collate(samples, pad_token_id, packing=True, max_tokens=None, one_row=False):
+def collate(samples, pad_token_id, packing=True, max_tokens=None, one_row=False, share_prefixes=False):
     """Batch samples as tensors of shape (rows, length).
 
     packing=True: bin-packed rows of at most `max_tokens` (one row for all with `one_row`, as
     per-sample kernels want), no attention mask. packing=False: one right-padded
     sample per row with an attention mask. Either way `sample_index` maps each token to its
     sample (-1 on padding) and `spans[i] = (row, start, length)` locates sample i.
+
+    share_prefixes (one row; for common.varlen_attention's kernel, which reads branches from the
+    positions): a sample with `prefix_of` j and `prefix_len` s, whose first s tokens are sample j's, is
+    laid out right after sample j without them, its positions starting at s (a branch). Its span holds
+    its own tokens only, and `branch_starts` lists (row, token, source) where the logits predicting a
+    branch's first token sit (its root's token s - 1) for token_logps.
     """
-    lengths = [len(s["input_ids"]) for s in samples]
-    if packing:
-        rows = [list(range(len(samples)))] if one_row else pack_sequences(lengths, max_tokens or max(lengths))
+    shared = [s.get("prefix_len", 0) if share_prefixes else 0 for s in samples]
+    if share_prefixes:
+        if not (packing and one_row):
+            raise ValueError("share_prefixes needs one packed row per micro-batch")
+        for i, s in enumerate(samples):
+            j = s.get("prefix_of")
+            if shared[i] and (shared[j] or s["input_ids"][: shared[i]] != samples[j]["input_ids"][: shared[i]]
+                              or shared[i] >= len(s["input_ids"])):
+                raise ValueError(f"sample {i} does not extend the first {shared[i]} tokens of sample {j}, a root")
+    lengths = [len(s["input_ids"]) - n for s, n in zip(samples, shared)]
+    if packing and one_row:
+        branches = {}
+        for i, s in enumerate(samples):
+            if shared[i]:
+                branches.setdefault(s["prefix_of"], []).append(i)
+        rows = [[k for i in range(len(samples)) if not shared[i] for k in [i, *branches.get(i, [])]]]
+    elif packing:
+        rows = pack_sequences(lengths, max_tokens or max(lengths))
     else:
         rows = [[i] for i in range(len(samples))]
     width = max(sum(lengths[i] for i in row) for row in rows)
@@ -62,15 +83,19 @@ def collate(samples, pad_token_id, packing=True, max_tokens=None, one_row=False)
     loss_mask = torch.zeros(shape, dtype=torch.float32)
     sample_index = torch.full(shape, -1, dtype=torch.long)
     attention_mask = torch.zeros(shape, dtype=torch.long)
-    spans = [None] * len(samples)
+    spans, branch_starts, root_start = [None] * len(samples), [], {}
     for r, row in enumerate(rows):
         start = 0
         for i in row:
-            n = lengths[i]
-            input_ids[r, start : start + n] = torch.tensor(samples[i]["input_ids"])
-            position_ids[r, start : start + n] = torch.arange(n)
-            loss_mask[r, start : start + n] = torch.tensor(samples[i]["loss_mask"], dtype=torch.float32)
-            loss_mask[r, start] = 0  # a sample's first token has no prediction inside the sample
+            n, skip = lengths[i], shared[i]
+            input_ids[r, start : start + n] = torch.tensor(samples[i]["input_ids"][skip:])
+            position_ids[r, start : start + n] = torch.arange(skip, skip + n)
+            loss_mask[r, start : start + n] = torch.tensor(samples[i]["loss_mask"][skip:], dtype=torch.float32)
+            if skip:  # predicted from the root's token skip - 1
+                branch_starts.append((r, start, root_start[samples[i]["prefix_of"]] + skip - 1))
+            else:
+                loss_mask[r, start] = 0  # a sample's first token has no prediction inside the sample
+                root_start[i] = start
             sample_index[r, start : start + n] = i
             attention_mask[r, start : start + n] = 1
             spans[i] = (r, start, n)
@@ -85,6 +110,7 @@ def collate(samples, pad_token_id, packing=True, max_tokens=None, one_row=False)
         "sample_index": sample_index,
         "spans": spans,
         "num_samples": len(samples),
+        "branch_starts": branch_starts,
     }
 
 
@@ -105,9 +131,15 @@ def token_logps(model, batch, return_argmax=False):
     logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     starts = batch["position_ids"] == 0  # a sample's first token is not predicted from inside the sample
     logps = F.pad(logps, (1, 0)).masked_fill(starts, 0.0)
-    if return_argmax:
-        return logps, outputs, F.pad(logits.argmax(-1) == targets, (1, 0)) & ~starts
-    return logps, outputs
+    hits = F.pad(logits.argmax(-1) == targets, (1, 0)) & ~starts if return_argmax else None
+    if batch.get("branch_starts"):  # a shared-prefix branch's first token: predicted from its root's prefix
+        rows, tokens, sources = torch.tensor(batch["branch_starts"], device=logps.device).unbind(1)
+        source_logits, branch_targets = outputs.logits[rows, sources].float(), batch["input_ids"][rows, tokens]
+        values = source_logits.gather(-1, branch_targets[:, None]).squeeze(-1) - torch.logsumexp(source_logits, -1)
+        logps = logps.index_put((rows, tokens), values)
+        if return_argmax:
+            hits = hits.index_put((rows, tokens), source_logits.argmax(-1) == branch_targets)
+    return (logps, outputs, hits) if return_argmax else (logps, outputs)
 
 
 def per_sample_sum(values, batch):

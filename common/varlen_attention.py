@@ -13,7 +13,9 @@ sample, as in ring attention) are aligned bottom-right, as flash-attention align
 
 The attention implementation takes sample boundaries from `position_ids` (every collated batch
 of common.packing carries them: packed rows, and padded rows whose padding tail restarts at 0),
-so it gets no mask: transformers builds none for a name it has no mask function for. Calls with
+so it gets no mask: transformers builds none for a name it has no mask function for. A row may also
+hold shared-prefix branches (a DPO pair's rejected response after its chosen sample, whose prompt it
+reuses: see `attention_segments`), which attend to their root's prefix without a copy of it. Calls with
 a KV cache (generation: fewer queries than keys) go to transformers' sdpa; generate from models
 loaded with the default `sdpa`, as exports are (save_pretrained does not store the name).
 """
@@ -110,18 +112,43 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, softmax_scale):
-        out, lse = varlen_forward(q, k, v, cu_seqlens, cu_seqlens, softmax_scale)
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale):
+        out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cu_seqlens, ctx.softmax_scale = cu_seqlens, softmax_scale
+        ctx.cu_seqlens, ctx.softmax_scale = (cu_seqlens_q, cu_seqlens_k), softmax_scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = varlen_backward(dout.contiguous(), q, k, v, out, lse, ctx.cu_seqlens, ctx.cu_seqlens,
-                                     ctx.softmax_scale)
-        return dq, dk, dv, None, None
+        dq, dk, dv = varlen_backward(dout.contiguous(), q, k, v, out, lse, *ctx.cu_seqlens, ctx.softmax_scale)
+        return dq, dk, dv, None, None, None
+
+
+def attention_segments(position_ids):
+    """(cu_seqlens_q, key index, cu_seqlens_k) of the flattened rows. A segment starts where a position is 0
+    (a new sample) or does not follow the previous one: a segment starting at position s > 0 is a branch
+    (common.packing.collate's `share_prefixes`) of the last sample that started at 0, and attends to that
+    sample's first s tokens, then to itself. The key index gathers each segment's keys (None: no branches,
+    every segment attends to itself)."""
+    flat = position_ids.reshape(-1)
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = (flat[1:] == 0) | (flat[1:] != flat[:-1] + 1)
+    bounds = torch.nonzero(starts).flatten().tolist() + [flat.numel()]
+    first_positions = flat[bounds[:-1]].tolist()
+    if not any(first_positions):
+        return bounds, None, bounds
+    cu_k, keys, root, root_len = [0], [], 0, 0
+    for a, b, s in zip(bounds[:-1], bounds[1:], first_positions):
+        if s == 0 or a == 0:
+            root, root_len = a, b - a
+        elif s > root_len:
+            raise ValueError(f"a branch at token {a} shares {s} tokens of a sample that has {root_len}")
+        else:
+            keys.append(torch.arange(root, root + s))
+        keys.append(torch.arange(a, b))
+        cu_k.append(cu_k[-1] + b - a + s)
+    return bounds, torch.cat(keys).to(position_ids.device), cu_k
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None,
@@ -141,7 +168,10 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     k = key.transpose(1, 2).reshape(batch * length, key.shape[1], dim)
     v = value.transpose(1, 2).reshape(batch * length, value.shape[1], dim)
     scale = scaling if scaling is not None else dim**-0.5
-    out = _VarlenAttention.apply(q, k, v, cu_seqlens_from_position_ids(position_ids), scale)
+    cu_seqlens_q, key_index, cu_seqlens_k = attention_segments(position_ids)
+    if key_index is not None:  # a branch attends to its root's shared prefix, then to itself (bottom-right causal)
+        k, v = k[key_index], v[key_index]
+    out = _VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
     return out.view(batch, length, heads, dim), None
 
 

@@ -84,3 +84,68 @@ def test_flash_attention_one_row_packing_equals_padded_sdpa(assets):
     assert packed["input_ids"].shape[0] == 1
     diff = max((a - b).abs().max().item() for a, b in zip(unpack(flash_logps, packed), unpack(sdpa_logps, padded)))
     assert diff <= 5e-2, diff
+
+
+def test_collate_lays_out_shared_prefix_branches():
+    """A branch sample drops the tokens it shares with its root, follows it, and keeps its own positions."""
+    samples = [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [3, 4], "loss_mask": [0, 1]},
+               {"input_ids": [5, 6, 9, 9], "loss_mask": [0, 1, 1, 1], "prefix_of": 0, "prefix_len": 2}]
+    batch = collate(samples, 0, one_row=True, share_prefixes=True)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 9, 9, 3, 4]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 2, 3, 0, 1]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1, 1, 1, 0, 1]]  # the branch's first token is a target
+    assert batch["sample_index"].tolist() == [[0, 0, 0, 2, 2, 1, 1]]
+    assert batch["branch_starts"] == [(0, 3, 1)]  # token 3 is predicted from the root's token 1
+    assert collate(samples, 0, one_row=True)["input_ids"].shape == (1, 9)  # ignored unless asked for
+    samples[2]["input_ids"][1] = 8
+    with pytest.raises(ValueError, match="sample 2 does not extend the first 2 tokens of sample 0"):
+        collate(samples, 0, one_row=True, share_prefixes=True)
+
+
+@pytest.mark.parametrize("name", ["llama-0.5m", "qwen2-0.5m"])
+def test_shared_prefix_branches_equal_separate_samples(assets, name):
+    """DPO's layout: each rejected response as a branch of its chosen sample's prompt gives the per-token
+    log-probs, per-sample sums, argmax hits and gradients of the two samples laid out whole (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from common.varlen_attention import NAME  # registers varlen_sdpa
+
+    model = AutoModelForCausalLM.from_pretrained(f"{assets}/{name}", attn_implementation=NAME)
+    rng = random.Random(1)
+    chosen, rejected = [], []
+    for k in range(5):
+        prompt = [rng.randrange(5, 290) for _ in range(rng.randint(2, 20))]
+        for side in (chosen, rejected):
+            response = [rng.randrange(5, 290) for _ in range(rng.randint(1, 15))]
+            side.append({"input_ids": prompt + response, "loss_mask": [0] * len(prompt) + [1] * len(response)})
+        rejected[-1].update(prefix_of=k, prefix_len=len(prompt))
+    samples = chosen + rejected
+    weights = torch.linspace(0.5, 1.5, len(samples))
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        batch = collate(samples, 0, one_row=True, share_prefixes=share)
+        logps, _, hits = token_logps(model, batch, return_argmax=True)
+        mask = batch["loss_mask"].bool()
+        sums = per_sample_sum(logps * batch["loss_mask"], batch)
+        (sums * weights).sum().backward()
+        per_sample = [(v[m.bool()], h[m.bool()]) for v, h, m in zip(unpack(logps, batch), unpack(hits, batch),
+                                                                     unpack(batch["loss_mask"], batch))]
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((batch["input_ids"].numel(), int(mask.sum()), sums.detach(), per_sample, grads))
+    (whole_tokens, whole_targets, whole_sums, whole_tok, whole_grads), (tokens, targets, sums, tok, grads) = results
+    assert tokens == whole_tokens - sum(s["prefix_len"] for s in rejected)  # each prompt once per pair
+    assert targets == whole_targets
+    assert (sums - whole_sums).abs().max().item() <= 1e-5
+    for (a, ha), (b, hb) in zip(tok, whole_tok):
+        assert a.shape == b.shape and (a - b).abs().max().item() <= 1e-5 and torch.equal(ha, hb)
+    for n, g in grads.items():
+        assert (g - whole_grads[n]).abs().max().item() <= 1e-5 * whole_grads[n].abs().max().item() + 1e-8, n
+    # negative control: the rejected tails as samples of their own (no prefix) give other log-probs
+    tails = chosen + [{"input_ids": s["input_ids"][s["prefix_len"]:], "loss_mask": [1] * (len(s["input_ids"]) -
+                                                                                           s["prefix_len"])}
+                      for s in rejected]
+    with torch.no_grad():
+        batch = collate(tails, 0, one_row=True)
+        tail_sums = per_sample_sum(token_logps(model, batch)[0] * batch["loss_mask"], batch)
+    assert (tail_sums[5:] - whole_sums[5:]).abs().max().item() > 1e-2
