@@ -49,6 +49,7 @@ from common.ring_attention import (  # noqa: E402
     validate_ring_args,
 )
 from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
+from common.varlen_attention import NAME as VARLEN_ATTENTION  # noqa: E402
 
 
 @dataclass
@@ -225,17 +226,33 @@ def micro_batches_of(ds, indices, micro, args: Args):
         samples = [{"input_ids": i, "loss_mask": [int(v >= 0) for v in s], "step_labels": s}
                    for i, s in zip(rows["input_ids"], rows["step_labels"])]
         return [samples[k : k + micro] for k in range(0, len(samples), micro)]
-    n = len(rows["margin"])
-    return [[{"input_ids": rows[key][i], "loss_mask": [0] * len(rows[key][i]), "margin": rows["margin"][i]}
-             for key in ("chosen_ids", "rejected_ids") for i in range(k, min(k + micro, n))]
-            for k in range(0, n, micro)]
+    n, batches = len(rows["margin"]), []
+    for k in range(0, n, micro):
+        pairs = range(k, min(k + micro, n))
+        chosen = [{"input_ids": rows["chosen_ids"][i], "loss_mask": [0] * len(rows["chosen_ids"][i]),
+                   "margin": rows["margin"][i]} for i in pairs]
+        rejected = [{"input_ids": r, "loss_mask": [0] * len(r), "margin": rows["margin"][i], "prefix_of": j,
+                     "prefix_len": shared_prefix_len(rows["chosen_ids"][i], r)}
+                    for j, i in enumerate(pairs) for r in [rows["rejected_ids"][i]]]
+        batches.append(chosen + rejected)
+    return batches
 
 
-def make_batch(samples, args: Args, pad_id, one_row):
+def shared_prefix_len(chosen, rejected):
+    """Leading tokens the rejected sequence shares with the chosen one (its prompt, as a rule), leaving it one."""
+    n = 0
+    while n < min(len(chosen), len(rejected) - 1) and chosen[n] == rejected[n]:
+        n += 1
+    return n
+
+
+def make_batch(samples, args: Args, pad_id, one_row, share_prompt=False):
     """Packed rows (one row with a per-sample attention kernel, see common.packing.one_row_per_batch), or
-    padded rows; plus the pair margins (pairwise) or the step labels laid out like input_ids (PRM)."""
+    padded rows; plus the pair margins (pairwise) or the step labels laid out like input_ids (PRM). With
+    share_prompt, each rejected sequence is a branch of its chosen one's shared prefix (pairwise)."""
     batch = collate(samples, pad_id, packing=args.data.packing_samples,
-                    max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=one_row)
+                    max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=one_row,
+                    share_prefixes=share_prompt)
     if args.prm:
         labels = torch.full(batch["input_ids"].shape, -1.0)
         for sample, (r, s, n) in zip(samples, batch["spans"]):
@@ -289,7 +306,7 @@ def forward_loss(engine, batch, args: Args, reward_ids, ring=None):
 # Evaluation: pairwise accuracy, rewards and margins, or step accuracy, over the held-out set
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(engine, eval_ds, args, pad_id, one_row, reward_ids):
+def evaluate(engine, eval_ds, args, pad_id, one_row, share_prompt, reward_ids):
     engine.eval()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     chunks = micro_batches_of(eval_ds, range(rank, len(eval_ds), world), args.train.micro_train_batch_size, args)
@@ -299,7 +316,7 @@ def evaluate(engine, eval_ds, args, pad_id, one_row, reward_ids):
     for i in progress(range(lockstep_forwards(engine, len(chunks))), is_rank0(), desc="eval", leave=False):
         # under ZeRO-3 a rank with fewer batches runs extra forwards (on row 0) in step with the busiest rank
         samples = chunks[i] if i < len(chunks) else micro_batches_of(eval_ds, [0], 1, args)[0]
-        batch = to_device(make_batch(samples, args, pad_id, one_row), device())
+        batch = to_device(make_batch(samples, args, pad_id, one_row, share_prompt), device())
         _, stats = forward_loss(engine, batch, args, reward_ids)
         if i < len(chunks):
             for k in names:
@@ -367,6 +384,8 @@ def main(args: Args):
     check_ring_model(model, ring)
     engine = create_train_engine(model, args.train, ds_config, total_steps)
     one_row = ring is not None or one_row_per_batch(model.config._attn_implementation)
+    share_prompt = (ring is None and not args.prm and args.data.packing_samples  # the varlen kernel reads branches
+                    and model.config._attn_implementation == VARLEN_ATTENTION)
     start_step = 0
     if args.ckpt.load_checkpoint:
         state = load_checkpoint(engine, args.ckpt.ckpt_path)
@@ -388,7 +407,7 @@ def main(args: Args):
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
         per_rank = batch_size // dp_world
         local = step_indices[dp_rank * per_rank : (dp_rank + 1) * per_rank]
-        micro_batches = [to_device(make_batch(s, args, pad_id, one_row), device())
+        micro_batches = [to_device(make_batch(s, args, pad_id, one_row, share_prompt), device())
                          for s in micro_batches_of(train_ds, local, micro, args)]
 
         # normaliser: pairs (or labelled steps) of the whole optimizer step, over every micro-batch and rank
@@ -417,7 +436,7 @@ def main(args: Args):
                             "train/rejected_reward": sums["rejected"] / n})
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
         if eval_ds and eval_due(global_step, args.log.eval_steps, steps_per_epoch, total_steps):
-            last_eval = (global_step, evaluate(engine, eval_ds, args, pad_id, one_row, reward_ids))
+            last_eval = (global_step, evaluate(engine, eval_ds, args, pad_id, one_row, share_prompt, reward_ids))
             metrics.update(last_eval[1])
             if is_rank0():
                 bar.write(f"step {global_step}: " + ", ".join(
@@ -432,7 +451,7 @@ def main(args: Args):
         # ---- end of boilerplate: log and save ----
 
     if eval_ds and (last_eval is None or last_eval[0] != total_steps):  # the export's statistics are the final model's
-        last_eval = (total_steps, evaluate(engine, eval_ds, args, pad_id, one_row, reward_ids))
+        last_eval = (total_steps, evaluate(engine, eval_ds, args, pad_id, one_row, share_prompt, reward_ids))
         logger.log(last_eval[1], total_steps)
     if not args.prm and last_eval is not None:  # read by RL for reward normalisation (OpenRLHF's keys)
         config = unwrap(engine).config

@@ -154,6 +154,18 @@ def test_packed_rewards_equal_padded_and_hf(assets, rm_start):
     assert (packed - padded).abs().max().item() <= 1e-4
     assert (packed - hf).abs().max().item() <= 1e-4
     assert packed.std().item() > 0.1  # the rewards differ, so the comparison means something
+    # rm.py's layout with the CPU kernel: each rejected sequence a branch of its chosen one's shared prompt
+    import datasets
+
+    from common.varlen_attention import NAME
+
+    varlen = AutoModelForSequenceClassification.from_pretrained(rm_start, attn_implementation=NAME).eval()
+    (pair_samples,) = load_algo("rm").micro_batches_of(datasets.Dataset.from_list(pairs), range(16), 16, pair_args())
+    with torch.no_grad():
+        shared_batch = collate(pair_samples, pad, one_row=True, share_prefixes=True)
+        shared = sequence_rewards(varlen, shared_batch)
+    assert shared_batch["input_ids"].numel() < 0.8 * sum(len(s) for s in seqs)  # the prompts appear once
+    assert (shared - hf).abs().max().item() <= 1e-4
     # score(): texts or token ids, one model or several with weights
     texts = [tokenizer.decode(s) for s in seqs[:5]]
     assert (score(model, texts, tokenizer, batch_size=2) - hf[:5]).abs().max().item() <= 1e-4
