@@ -140,14 +140,16 @@ def attention_segments(position_ids):
         return bounds, None, bounds
     cu_k, keys, root, root_len = [0], [], 0, 0
     for a, b, s in zip(bounds[:-1], bounds[1:], first_positions):
-        if s == 0 or a == 0:
-            root, root_len = a, b - a
+        if s == 0 or a == 0:  # a sample (or a row that starts inside one, as a ring's slice may)
+            root, root_len, s = a, b - a, 0
         elif s > root_len:
             raise ValueError(f"a branch at token {a} shares {s} tokens of a sample that has {root_len}")
         else:
             keys.append(torch.arange(root, root + s))
         keys.append(torch.arange(a, b))
         cu_k.append(cu_k[-1] + b - a + s)
+    if len(keys) == len(bounds) - 1:  # no branch after all
+        return bounds, None, bounds
     return bounds, torch.cat(keys).to(position_ids.device), cu_k
 
 
