@@ -47,7 +47,7 @@ from common.packing import collate, one_row_per_batch, to_device, token_logps, u
 from common.reward import unwrap  # noqa: E402
 from common.rl import (  # noqa: E402
     RewardModels, RolloutEngineArgs, RolloutLogArgs, evaluate, join_group, load_prompts, make_batch, prompt_at,
-    reference_args, rendezvous_address, reward_function, rollout_steps, sample_rollout, setup_group, split_steps,
+    reference_args, rendezvous_address, reward_function, rollout_steps, sample_rollout, split_steps, start_group,
     start_ray, trainer_bundles, validate_rollout_args, weight_sync,
 )
 from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
@@ -500,6 +500,7 @@ class GroupMember:
 
     def __init__(self, args: Args, rank, world, pad_id, ranks_per_node):
         self.args, self.rank, self.world, self.pad_id, self.ranks_per_node = args, rank, world, pad_id, ranks_per_node
+        self.max_tokens = args.prompt_max_len + args.generate_max_len  # packed row length: the longest sample
 
     def address(self):
         return rendezvous_address()
@@ -508,20 +509,15 @@ class GroupMember:
         join_group(self.rank, self.world, master_addr, master_port, self.args.rendezvous_timeout,
                    self.args.train.seed, self.ranks_per_node)
 
-    def max_tokens(self, samples):
-        """Packed row length: the longest sample the run can produce (and at least this batch's longest)."""
-        longest = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
-        return max(longest, self.args.prompt_max_len + self.args.generate_max_len)
-
     @torch.no_grad()
     def per_token(self, samples, model, forward):
         """forward(model, batch) over micro-batches of --micro_rollout_batch_size, cut to each response."""
         was_training, out = model.training, []
         model.eval()
-        micro, max_tokens = self.args.micro_rollout_batch_size, self.max_tokens(samples)
+        micro = self.args.micro_rollout_batch_size
         for start in range(0, len(samples), micro):
             chunk = samples[start : start + micro]
-            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.one_row), device())
+            batch = to_device(make_batch(chunk, self.pad_id, self.max_tokens, self.one_row), device())
             per_sample = unpack(forward(model, batch), batch)
             out += [t[len(s["prompt_ids"]):].cpu().tolist() for s, t in zip(chunk, per_sample)]
         model.train(was_training)
@@ -551,11 +547,10 @@ class GroupMember:
         gas = accumulation_steps(args.train.train_batch_size, micro, self.world)
         totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
         for k, samples in enumerate(steps):
-            max_tokens = self.max_tokens(samples)
             chunks = range(0, len(samples), micro)
-            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, max_tokens, self.one_row, values),
-                                 device()) for i in chunks]
-            ptx = [to_device(dict(collate(ptx_steps[k][i : i + micro], self.pad_id, max_tokens=max_tokens,
+            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, self.max_tokens, self.one_row,
+                                            values), device()) for i in chunks]
+            ptx = [to_device(dict(collate(ptx_steps[k][i : i + micro], self.pad_id, max_tokens=self.max_tokens,
                                           one_row=self.one_row), num_micro=gas * self.world), device())
                    if ptx_steps else None for i in chunks]  # PPO-ptx rows, tagged with the step's micro-batches
             tokens, sequences = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in batches),
@@ -742,11 +737,12 @@ def main(args: Args):
     roles = Roles()
     trainers, references, critics, engines, reward_models = place_models(args, world, critic_world,
                                                                          tokenizer.pad_token_id, roles)
-    roles.ready(args.startup_timeout)  # every role is up before anyone waits on another in a rendezvous
-    setup_group(roles, trainers, max(total_steps - args.freezing_actor_steps, 1) * updates_per_rollout)
-    setup_group(roles, critics, total_steps * updates_per_rollout)
-    if references:
-        setup_group(roles, references)
+    if args.colocate_all_models:  # vLLM sizes its cache by the free device memory: it starts alone
+        roles.ready(args.startup_timeout)
+    setups = (start_group(roles, trainers, max(total_steps - args.freezing_actor_steps, 1) * updates_per_rollout)
+              + start_group(roles, critics, total_steps * updates_per_rollout) + start_group(roles, references))
+    roles.ready(args.startup_timeout)  # the groups load their models while the engines start
+    roles.get(setups)
     roles.get([t.setup_weight_sync.remote(engines) for t in trainers])
 
     state = {"global_step": 0, "consumed_prompts": 0, "consumed_ptx": 0, "best_pass1": -math.inf}

@@ -218,10 +218,12 @@ def weight_sync(args, rank, engines):
                       host=ray.util.get_node_ip_address(), timeout_s=args.rendezvous_timeout)
 
 
-def setup_group(roles, members, *setup_args):
-    """Rendezvous a trainer group at its rank 0 and run every member's setup(addr, port, *setup_args)."""
+def start_group(roles, members, *setup_args):
+    """Start every member's setup(addr, port, *setup_args), rendezvous at rank 0; returns the refs to wait on."""
+    if not members:
+        return []
     addr, port = roles.get(members[0].address.remote())
-    roles.get([m.setup.remote(addr, port, *setup_args) for m in members])
+    return [m.setup.remote(addr, port, *setup_args) for m in members]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -168,6 +168,11 @@ def ppo_args(assets, model, tmp, *extra):
             "--save_path", tmp / "out", "--metrics_file", tmp / "metrics.jsonl", *extra]
 
 
+def without_eval(args):
+    i = args.index("--eval_dataset")
+    return args[:i] + args[i + 2 :]
+
+
 @pytest.fixture(scope="module")
 def run(assets, rl_start_model, tmp_path_factory):
     """One 20-step run shared by the end-to-end tests: the critic warms up for 2 steps (actor frozen),
@@ -221,9 +226,9 @@ def test_resume_reproduces_actor_and_critic(run, assets, rl_start_model):
     tmp, steps, _ = run
     for role in ("actor", "critic"):
         (tmp / "ckpt" / role / "latest").write_text("global_step18")
-    proc = run_script("ppo.py", ppo_args(assets, rl_start_model, tmp / "resumed", "--max_steps", 20,
-                                         "--freezing_actor_steps", 2, "--load_checkpoint", "--ckpt_path",
-                                         tmp / "ckpt", "--eval_steps", 100), timeout=900)
+    proc = run_script("ppo.py", without_eval(ppo_args(assets, rl_start_model, tmp / "resumed", "--max_steps", 20,
+                                                      "--freezing_actor_steps", 2, "--load_checkpoint",
+                                                      "--ckpt_path", tmp / "ckpt")), timeout=900)
     assert "resumed from" in proc.stdout and "at step 18" in proc.stdout
     resumed = {m["step"]: m for m in read_jsonl(tmp / "resumed" / "metrics.jsonl") if "train/reward" in m}
     assert sorted(resumed) == [19, 20]
@@ -238,19 +243,20 @@ def test_resume_reproduces_actor_and_critic(run, assets, rl_start_model):
 
 def test_colocated_lora_actor_with_reference_reward_model_and_ptx(assets, rl_start_model, tmp_path):
     """Everything on one device (--colocate_all_models: actor, reference, critic, engine, reward model),
-    a LoRA actor, the KL to a reference in the reward, a reward model beside the rule (the critic starts
-    from it: its score head is the value head), and PPO-ptx: it runs, the engine tracks the merged LoRA
+    a LoRA actor, the KL to a reference in the reward, two reward models summed with the rule (the critic
+    starts from the first: its score head is the value head), and PPO-ptx: it runs, the engine tracks the merged LoRA
     actor, the policy moves away from the reference, and the pretraining loss falls."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    rm = tmp_path / "rm"
-    AutoModelForSequenceClassification.from_pretrained(rl_start_model, num_labels=1).save_pretrained(rm)
-    AutoTokenizer.from_pretrained(rl_start_model).save_pretrained(rm)
-    args = ppo_args(assets, rl_start_model, tmp_path, "--actor_num_gpus_per_node", 1, "--colocate_all_models",
-                    "--lora_rank", 8, "--actor_learning_rate", 1e-3, "--init_kl_coef", 0.01, "--reward_pretrain", rm,
-                    "--pretrain_data", f"{assets}/data/reverse/pretrain_train.jsonl", "--ptx_coef", 0.5,
-                    "--max_steps", 4)
-    del args[args.index("--eval_dataset") : args.index("--eval_dataset") + 2]  # no evaluation: a placement run
+    for seed in (0, 1):  # two reward models (fresh score heads), summed
+        torch.manual_seed(seed)
+        AutoModelForSequenceClassification.from_pretrained(rl_start_model, num_labels=1).save_pretrained(
+            tmp_path / f"rm{seed}")
+        AutoTokenizer.from_pretrained(rl_start_model).save_pretrained(tmp_path / f"rm{seed}")
+    args = without_eval(ppo_args(
+        assets, rl_start_model, tmp_path, "--actor_num_gpus_per_node", 1, "--colocate_all_models", "--lora_rank", 8,
+        "--actor_learning_rate", 1e-3, "--init_kl_coef", 0.01, "--reward_pretrain", f"{tmp_path}/rm0,{tmp_path}/rm1",
+        "--pretrain_data", f"{assets}/data/reverse/pretrain_train.jsonl", "--ptx_coef", 0.5, "--max_steps", 4))
     proc = run_script("ppo.py", args, timeout=900)
     assert "a reward model: its score head is the value head" in proc.stdout
     steps = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if "train/reward" in m]
