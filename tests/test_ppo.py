@@ -147,6 +147,17 @@ def test_argument_errors_and_critic_default(assets, tmp_path):
         ppo.parse_args([*required, "--lambd_critic", "1.5"])
     with pytest.raises(ValueError, match="critic ranks"):
         ppo.parse_args([*required, "--critic_num_gpus_per_node", "2"])
+    # a placement flag with nothing to place is refused, naming it
+    with pytest.raises(ValueError, match=r"--colocate_actor_ref needs --init_kl_coef > 0"):
+        ppo.parse_args([*required, "--colocate_actor_ref"])
+    with pytest.raises(ValueError, match="--colocate_critic_reward needs --reward_pretrain"):
+        ppo.parse_args([*required, "--colocate_critic_reward"])
+    with pytest.raises(ValueError, match="--colocate_all_models puts each critic rank on an actor device"):
+        ppo.parse_args([*required, "--colocate_all_models", "--critic_num_gpus_per_node", "2", "--rollout_batch_size",
+                        "32", "--train_batch_size", "32"])
+    parsed = ppo.parse_args([*required, "--init_kl_coef", "0.01", "--colocate_actor_ref", "--actor_num_nodes", "2",
+                             "--critic_num_nodes", "2", "--rollout_batch_size", "64", "--train_batch_size", "32"])
+    assert parsed.colocate_actor_ref and parsed.actor_num_nodes == parsed.critic_num_nodes == 2
     # through the real CLI: one `error:` line, before Ray starts
     proc = run_script("ppo.py", [*required, "--advantage_estimator", "rloo"], expect_ok=False)
     assert proc.returncode != 0 and "error: --advantage_estimator rloo" in proc.stderr
