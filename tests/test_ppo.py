@@ -187,10 +187,10 @@ def without_eval(args):
 @pytest.fixture(scope="module")
 def run(assets, rl_start_model, tmp_path_factory):
     """One 20-step run shared by the end-to-end tests: the critic warms up for 2 steps (actor frozen),
-    checkpoints at steps 9, 18 and 20; (tmp, {step: metrics}, [eval pass@1])."""
+    checkpoints at steps 18 and 20; (tmp, {step: metrics}, [eval pass@1])."""
     tmp = tmp_path_factory.mktemp("ppo_run")
     run_script("ppo.py", ppo_args(assets, rl_start_model, tmp, "--max_steps", 20, "--freezing_actor_steps", 2,
-                                  "--save_steps", 9, "--ckpt_path", tmp / "ckpt"), timeout=900)
+                                  "--save_steps", 18, "--ckpt_path", tmp / "ckpt"), timeout=900)
     metrics = read_jsonl(tmp / "metrics.jsonl")
     return tmp, {m["step"]: m for m in metrics if "train/reward" in m}, [m["eval/pass@1"] for m in metrics
                                                                         if "eval/pass@1" in m]
