@@ -6,16 +6,15 @@
         --rollout_batch_size 32 --train_batch_size 128 --micro_train_batch_size 16 \\
         --actor_num_gpus_per_node 2 --critic_num_gpus_per_node 1 --vllm_num_engines 1 --save_path outputs/ppo
 
-This process is the Ray driver (a local Ray, or a cluster with --ray_address). Ray only places
-models: the actor (policy) trainer ranks, which form one torch.distributed group and run DeepSpeed
-(with the reference model when a KL term is on), the critic trainer ranks (a group of their own: a
-causal-LM backbone with a scalar value head, its own optimizer and learning rate), vLLM engine
-actors, and a reward-model actor when --reward_pretrain is given. On CPU every role is a process;
-"GPUs" in flag names count trainer ranks there. Each step reads top to bottom in `main`: prompts ->
-samples -> rewards -> actor log-probs before the update, reference log-probs, critic values ->
-per-token rewards (-beta x KL_t, the scalar reward on the last model token) -> GAE advantages and
-returns -> actor PPO update (plus PPO-ptx's LM loss with --pretrain_data) and critic value update
-(side by side) -> weight sync.
+This process is the Ray driver (a local Ray, or a cluster with --ray_address); Ray places each role
+on devices of its own unless told to share (--colocate_*): the actor ranks (one torch.distributed
+group running DeepSpeed), the critic ranks (a group of their own: a causal-LM backbone with a scalar
+value head, its own optimizer and learning rate), the reference ranks when a KL term is on, vLLM
+engines, and reward models with --reward_pretrain (on CPU each role is a process; "GPUs" count ranks).
+A step, top to bottom in `main`: prompts -> samples -> rewards -> actor log-probs before the update,
+reference log-probs, critic values -> per-token rewards (-beta x KL_t, the scalar reward on the last
+model token) -> GAE advantages and returns -> actor PPO update (+ PPO-ptx's LM loss) beside the
+critic's value update -> weight sync.
 
 Differences from OpenRLHF, on purpose: GAE skips tokens that are not the model's own (they are not
 steps: values and the running sum carry across them; OpenRLHF zeroes them and runs GAE through,
@@ -28,7 +27,6 @@ log-probs of the sampled tokens are checked against the trainer's every step.
 import dataclasses
 import math
 import os
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -39,18 +37,22 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common.data import BadRow, format_prompt, load_one, load_tokenizer, validate_prompt_args  # noqa: E402
+from common.data import load_one, load_tokenizer  # noqa: E402
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
-    deepspeed_config, deepspeed_eval_config, device, finish, hold_ckpt_path, init_distributed, load_causal_lm,
-    load_checkpoint, optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed,
-    validate_common_args,
+    deepspeed_config, deepspeed_eval_config, device, finish, hold_ckpt_path, load_causal_lm, load_checkpoint,
+    optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, validate_common_args,
 )
 from common.packing import collate, one_row_per_batch, to_device, token_logps, unpack  # noqa: E402
 from common.reward import unwrap  # noqa: E402
+from common.rl import (  # noqa: E402
+    RewardModels, RolloutEngineArgs, RolloutLogArgs, evaluate, join_group, load_prompts, make_batch, prompt_at,
+    reference_args, rendezvous_address, reward_function, rollout_steps, sample_rollout, split_steps, start_group,
+    start_ray, trainer_bundles, validate_rollout_args, weight_sync,
+)
 from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
-from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
-from common.vllm_engine import EngineArgs, SamplingArgs, default_max_num_seqs, resolve_max_model_len  # noqa: E402
+from common.tracking import MetricsLogger, eval_due, progress  # noqa: E402
+from common.vllm_engine import SamplingArgs, default_max_num_seqs  # noqa: E402
 
 
 @dataclass
@@ -65,25 +67,6 @@ class ActorTrainArgs(TrainArgs):
     """Fraction of optimizer steps with linear warmup (actor and critic)."""
     lr_scheduler: str = "constant_with_warmup"
     """Any transformers scheduler name (actor and critic)."""
-
-
-@dataclass
-class RolloutEngineArgs(EngineArgs):
-    tp_size: Annotated[int, tyro.conf.arg(name="vllm_tensor_parallel_size")] = 1
-    """Tensor-parallel size of each vLLM engine."""
-    max_model_len: Optional[int] = None
-    """Longest prompt + response an engine serves (default: --prompt_max_len + --generate_max_len, at most the
-    model's max_position_embeddings)."""
-    seed: tyro.conf.Suppress[int] = 0  # unused: every request carries its own seed (derived from --seed)
-
-
-@dataclass
-class RolloutLogArgs(LogArgs):
-    logging_steps: int = 1
-    """Log training scalars every N rollout steps."""
-    eval_steps: int = -1
-    """Evaluate on --eval_dataset every N rollout steps (-1: after each pass over the prompts), before the first
-    and after the last rollout step."""
 
 
 @dataclass
@@ -105,10 +88,6 @@ class Args:
     """Critic warm-up: the actor does not update (nor sync) for the first N rollout steps; the critic does."""
     value_head_prefix: str = "score"
     """Name of the value head in the Hugging Face sequence-classification class (as rm.py's flag)."""
-    critic_num_nodes: int = 1
-    """Nodes for the critic group."""
-    critic_num_gpus_per_node: int = 1
-    """Critic trainer ranks per node (devices on CUDA, processes on CPU)."""
     # -- prompts
     prompt_data: str = tyro.MISSING
     """Prompt dataset (any spec common/data.py loads: file, folder, type@dir, hub name)."""
@@ -138,8 +117,7 @@ class Args:
     """Sampling temperature of the evaluation (0: greedy)."""
     # -- rewards
     remote_rm_url: Optional[str] = None
-    """Rule-based or remote reward: a .py file defining reward_func(queries, prompts, labels), or an HTTP URL
-    served by `python -m common.remote_reward`."""
+    """Reward: a .py file defining reward_func(queries, prompts, labels), or an HTTP URL (common/remote_reward.py)."""
     remote_rm_token: Optional[str] = None
     """Bearer token for an HTTP --remote_rm_url (default: $MINRLHF_REWARD_TOKEN)."""
     reward_pretrain: Optional[str] = None
@@ -196,8 +174,7 @@ class Args:
     lambd_critic: float = 1.0
     """GAE lambda of the critic's returns (decoupled GAE, VC-PPO / VAPO; 1: Monte-Carlo returns)."""
     loss_agg: Literal["token", "sequence"] = "token"
-    """token: mean over every response token of the optimizer step; sequence: mean over samples of each
-    sample's token mean (actor and critic)."""
+    """token: mean over the step's response tokens; sequence: mean over samples of their token means (both models)."""
     eps_clip: float = 0.2
     """PPO ratio clip."""
     eps_clip_low_high: Optional[tuple[float, float]] = None
@@ -214,15 +191,23 @@ class Args:
     """Entropy bonus coefficient (entropy is logged either way)."""
     vllm_is_truncation: float = 0.0
     """Truncated importance sampling: weight each token's loss by min(p_trainer / p_vllm, this) (0: off)."""
-    # -- placement
+    # -- placement (each role on devices of its own unless colocated)
     actor_num_nodes: int = 1
-    """Nodes for the actor group."""
+    """Nodes for the actor group (and the reference group, which mirrors it); rank r on node r // per node."""
     actor_num_gpus_per_node: int = 1
     """Actor trainer ranks per node (devices on CUDA, processes on CPU)."""
+    critic_num_nodes: int = 1
+    """Nodes for the critic group."""
+    critic_num_gpus_per_node: int = 1
+    """Critic trainer ranks per node (devices on CUDA, processes on CPU)."""
     vllm_num_engines: int = 1
     """vLLM engines (each --vllm_tensor_parallel_size devices)."""
+    colocate_actor_ref: bool = False
+    """Put each reference rank on its actor rank's device (needs --init_kl_coef > 0)."""
+    colocate_critic_reward: bool = False
+    """Put the reward models on the critic's rank-0 device (needs --reward_pretrain)."""
     colocate_all_models: bool = False
-    """Put actor, critic, vLLM engines and reward models on the same devices (one placement-group bundle each)."""
+    """Put actor, reference, critic, vLLM engines and reward models on the actor's devices."""
     vllm_enable_sleep: bool = False
     """Sleep the vLLM engines while training (CUDA; a logged no-op on CPU)."""
     ray_address: Optional[str] = None
@@ -230,8 +215,7 @@ class Args:
     startup_timeout: float = 900.0
     """Seconds every role (trainers, critic, vLLM engines, reward models) may take to load its models and start."""
     rendezvous_timeout: float = 120.0
-    """Seconds a group set-up (trainer groups, weight-sync group) waits for its members; then it stops naming who
-    did not join."""
+    """Seconds a group set-up (trainer groups, weight sync) waits for its members, then names who did not join."""
 
 
 def parse_args(argv=None):
@@ -243,54 +227,26 @@ def parse_args(argv=None):
                          f"only; the critic-free estimators are in algos/grpo.py")
     validate_common_args(args.model, args.train, args.ckpt, world)
     accumulation_steps(args.train.train_batch_size, args.train.micro_train_batch_size, critic_world)
-    if args.model.aux_loss_coef > 0:
-        raise ValueError("--aux_loss_coef (MoE load balancing) is not implemented in ppo.py")
-    n = args.n_samples_per_prompt
-    if n < 1:
-        raise ValueError(f"--n_samples_per_prompt must be >= 1, got {n}")
-    if args.dynamic_filtering and n < 2:
+    validate_rollout_args(args, world, "ppo.py")
+    if args.dynamic_filtering and args.n_samples_per_prompt < 2:
         raise ValueError("--dynamic_filtering drops prompts whose samples all got the same reward: set "
                          "--n_samples_per_prompt >= 2")
-    rollout = args.rollout_batch_size * n
-    if rollout % args.train.train_batch_size:
-        raise ValueError(f"--rollout_batch_size {args.rollout_batch_size} x --n_samples_per_prompt {n} = {rollout} "
-                         f"samples must be a multiple of --train_batch_size {args.train.train_batch_size}")
-    for ranks, what in ((world, "actor"), (critic_world, "critic")):
-        if rollout % (args.micro_rollout_batch_size * ranks):
-            raise ValueError(f"{rollout} samples per rollout must be a multiple of --micro_rollout_batch_size "
-                             f"{args.micro_rollout_batch_size} x {ranks} {what} ranks")
+    if args.rollout_batch_size * args.n_samples_per_prompt % (args.micro_rollout_batch_size * critic_world):
+        raise ValueError(f"{args.rollout_batch_size * args.n_samples_per_prompt} samples per rollout must be a "
+                         f"multiple of --micro_rollout_batch_size {args.micro_rollout_batch_size} x {critic_world} "
+                         f"critic ranks")
     for name in ("gamma", "lambd", "lambd_critic"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise ValueError(f"--{name} must be in [0, 1], got {getattr(args, name)}")
     if args.value_clip < 0 or args.freezing_actor_steps < 0 or args.ptx_coef < 0:
         raise ValueError("--value_clip, --freezing_actor_steps and --ptx_coef must be >= 0")
-    if not (args.remote_rm_url or args.reward_pretrain):
-        raise ValueError("no reward: give --remote_rm_url (a .py reward file or an HTTP URL) and/or --reward_pretrain")
-    if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
-        from common.remote_reward import load_reward_func
-
-        # a missing file or function fails now, not after the models load
-        load_reward_func(args.remote_rm_url, "--remote_rm_url")
-    needed = args.prompt_max_len + args.generate_max_len
-    if args.engine.max_model_len is not None and args.engine.max_model_len < needed:
-        raise ValueError(f"--max_model_len {args.engine.max_model_len} must be >= --prompt_max_len "
-                         f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len}")
-    args.engine.max_model_len = resolve_max_model_len(args.model.pretrain, args.engine.max_model_len, needed)
-    if args.use_kl_loss and args.init_kl_coef <= 0:
-        raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
-    if args.dual_clip is not None and args.dual_clip <= 1:
-        raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
-    if args.overlong_buffer_len >= args.generate_max_len:
-        raise ValueError(f"--overlong_buffer_len {args.overlong_buffer_len} must be < --generate_max_len")
-    if args.colocate_all_models and args.vllm_num_engines * args.engine.tp_size != world:
-        raise ValueError(f"--colocate_all_models puts one engine device on each trainer device: --vllm_num_engines "
-                         f"x --vllm_tensor_parallel_size must equal {world} trainer ranks")
     if args.colocate_all_models and critic_world > world:
         raise ValueError(f"--colocate_all_models puts each critic rank on an actor device: {critic_world} critic "
                          f"ranks for {world} actor ranks")
-    if args.vllm_enable_sleep and not args.colocate_all_models:
-        raise ValueError("--vllm_enable_sleep only helps with --colocate_all_models")
-    validate_prompt_args(args.input_template, args.apply_chat_template)
+    if args.colocate_actor_ref and args.init_kl_coef <= 0:
+        raise ValueError("--colocate_actor_ref needs --init_kl_coef > 0 (without a KL term no reference is loaded)")
+    if args.colocate_critic_reward and not args.reward_pretrain:
+        raise ValueError("--colocate_critic_reward needs --reward_pretrain (there is no reward model to place)")
     args.critic_pretrain = args.critic_pretrain or (args.reward_pretrain.split(",")[0] if args.reward_pretrain
                                                     else args.model.pretrain)
     check_critic(args)
@@ -386,6 +342,10 @@ def value_loss(values, old_values, returns, clip):
     return 0.5 * torch.max(plain, clipped), (clipped > plain).float()
 
 
+def mean(t):
+    return t.mean().item() if t.numel() else 0.0
+
+
 def explained_variance(values, returns):
     """1 - Var(R - V) / Var(R) over flat tensors of model tokens (1: the critic predicts the returns)."""
     var = returns.var()
@@ -458,19 +418,20 @@ def micro_batch_loss(model, batch, args, normaliser, scale=1.0, ptx_batch=None):
     per_token, clipped = policy_loss(logps, old_logps, batch["advantages"], eps_low, eps_high, args.dual_clip)
     if args.vllm_is_truncation > 0:  # vLLM sampled from slightly different numbers than the trainer computes
         per_token = per_token * torch.exp(old_logps - batch["vllm_logps"]).clamp(max=args.vllm_is_truncation)
-    mode = args.loss_agg
-    pieces = {"policy_loss": aggregate(per_token, mask, batch["sample_index"], batch["num_samples"], mode)}
+
+    def agg(per_token_values):  # summed as the step's normaliser expects (--loss_agg)
+        return aggregate(per_token_values, mask, batch["sample_index"], batch["num_samples"], args.loss_agg)
+
+    pieces = {"policy_loss": agg(per_token)}
     total = pieces["policy_loss"]
     if args.use_kl_loss:
-        kl = approx_kl(logps, batch["ref_logps"], args.kl_estimator)
-        pieces["kl_loss"] = aggregate(kl, mask, batch["sample_index"], batch["num_samples"], mode)
+        pieces["kl_loss"] = agg(approx_kl(logps, batch["ref_logps"], args.kl_estimator))
         total = total + args.init_kl_coef * pieces["kl_loss"]
     with torch.set_grad_enabled(args.entropy_loss_coef > 0):
-        entropy = token_entropy(outputs.logits[:, :-1])
-        pieces["entropy"] = aggregate(entropy, mask, batch["sample_index"], batch["num_samples"], mode)
+        pieces["entropy"] = agg(token_entropy(outputs.logits[:, :-1]))
     if args.entropy_loss_coef > 0:
         total = total - args.entropy_loss_coef * pieces["entropy"]
-    pieces["clip_ratio"] = aggregate(clipped, mask, batch["sample_index"], batch["num_samples"], mode)
+    pieces["clip_ratio"] = agg(clipped)
     metrics = {k: v.item() for k, v in pieces.items()}
     metrics["vllm_logp_max_abs_diff"] = ((old_logps - batch["vllm_logps"]).abs() * mask).max().item()
     total = total * scale / normaliser
@@ -505,34 +466,6 @@ def critic_micro_batch_loss(model, batch, args, normaliser, scale=1.0):
     return loss * scale / normaliser, {"value_loss": loss.item(), "value_clip_ratio": clip_ratio.item()}
 
 
-# ----------------------------------------------------------------------------------------------
-# Samples: a response with its prompt, made into collated batches with per-token values
-# ----------------------------------------------------------------------------------------------
-def token_sample(s):
-    """The input_ids/loss_mask dict collate() packs: loss on the response tokens (none if masked)."""
-    return {"input_ids": s["prompt_ids"] + s["response_ids"],
-            "loss_mask": [0] * len(s["prompt_ids"]) + [0 if s.get("masked") else 1] * len(s["response_ids"])}
-
-
-def make_batch(samples, pad_id, max_tokens, one_row, values=()):
-    """Collate samples (packed), and lay each named per-response-token value out like the tokens."""
-    batch = collate([token_sample(s) for s in samples], pad_id, packing=True, max_tokens=max_tokens, one_row=one_row)
-    for key in values:
-        laid = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-        for s, (r, start, n) in zip(samples, batch["spans"]):
-            p = len(s["prompt_ids"])
-            laid[r, start + p : start + n] = torch.as_tensor(s[key], dtype=torch.float32)
-        batch[key] = laid
-    return batch
-
-
-def ptx_batch(rows, pad_id, max_tokens, one_row, num_micro):
-    """Collated pretraining rows (loss on every token), tagged with the step's micro-batch count."""
-    batch = collate(rows, pad_id, packing=True, max_tokens=max_tokens, one_row=one_row)
-    batch["num_micro"] = num_micro
-    return batch
-
-
 def load_ptx(args: Args, tokenizer):
     """PPO-ptx rows {input_ids, loss_mask}: each text + EOS, cut to --prompt_max_len + --generate_max_len."""
     raw, rows = load_one(args.pretrain_data, args.pretrain_split), []
@@ -559,57 +492,43 @@ def ptx_steps_for(ptx, per_rank_steps, position, seed):
     return out, position
 
 
-def reference_args(args: Args):
-    """The frozen reference model (--init_kl_coef > 0): the start policy, loaded as the policy is."""
-    return ModelArgs(pretrain=args.model.pretrain, attn_implementation=args.model.attn_implementation,
-                     load_in_4bit=args.model.load_in_4bit)
-
-
-def critic_args(args: Args):
-    """The critic's model and optimizer options: its own start point and learning rate, all weights trained
-    (no LoRA), the actor's attention kernel, gradient checkpointing and DeepSpeed settings otherwise."""
-    model = ModelArgs(pretrain=args.critic_pretrain, attn_implementation=args.model.attn_implementation,
-                      gradient_checkpointing=args.model.gradient_checkpointing)
-    return model, dataclasses.replace(args.train, learning_rate=args.critic_learning_rate)
-
-
 # ----------------------------------------------------------------------------------------------
-# The trainers: one Ray actor per rank; the actor ranks and the critic ranks each form a group
+# The ranks: one Ray actor each; the actor, critic and reference ranks each form a group
 # ----------------------------------------------------------------------------------------------
 class GroupMember:
-    """What actor and critic ranks share: the rendezvous, thread count and the packed row length."""
+    """What every rank does: join its group, run per-token forwards, train, save and load checkpoints."""
 
     def __init__(self, args: Args, rank, world, pad_id, ranks_per_node):
         self.args, self.rank, self.world, self.pad_id, self.ranks_per_node = args, rank, world, pad_id, ranks_per_node
+        self.max_tokens = args.prompt_max_len + args.generate_max_len  # packed row length: the longest sample
 
     def address(self):
-        """Rank 0's address and a free port for the group's rendezvous."""
-        import ray
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        return rendezvous_address()
 
     def join(self, master_addr, master_port):
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0",
-                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        init_distributed(timeout_s=self.args.rendezvous_timeout)
-        if not torch.cuda.is_available():  # Ray gives an actor num_cpus threads (1); actor and critic run side by side
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // self.ranks_per_node))
-        set_seed(self.args.train.seed)
+        join_group(self.rank, self.world, master_addr, master_port, self.args.rendezvous_timeout,
+                   self.args.train.seed, self.ranks_per_node)
 
-    def max_tokens(self, samples):
-        """Packed row length: the longest sample the run can produce (and at least this batch's longest)."""
-        longest = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
-        return max(longest, self.args.prompt_max_len + self.args.generate_max_len)
+    @torch.no_grad()
+    def per_token(self, samples, model, forward):
+        """forward(model, batch) over micro-batches of --micro_rollout_batch_size, cut to each response."""
+        was_training, out = model.training, []
+        model.eval()
+        micro = self.args.micro_rollout_batch_size
+        for start in range(0, len(samples), micro):
+            chunk = samples[start : start + micro]
+            batch = to_device(make_batch(chunk, self.pad_id, self.max_tokens, self.one_row), device())
+            per_sample = unpack(forward(model, batch), batch)
+            out += [t[len(s["prompt_ids"]):].cpu().tolist() for s, t in zip(chunk, per_sample)]
+        model.train(was_training)
+        return out
 
     def save_checkpoint(self, step, client_state):
         save_checkpoint(self.engine, self.ckpt_dir, step, client_state, self.args.ckpt.max_ckpt_num)
         return True
 
     def load_checkpoint(self, step=None):
-        """Load `latest` (the actor's), or the checkpoint of `step` (the critic's: the actor's `latest` is the
-        commit point, and the critic saves first, so its `latest` may be one save ahead)."""
+        """Load `latest`, or (the critic) the actor's step: the critic saves first, so its `latest` may be ahead."""
         if step is not None:
             tag = os.path.join(self.ckpt_dir, f"global_step{step}")
             if not os.path.isdir(tag):
@@ -628,15 +547,12 @@ class GroupMember:
         gas = accumulation_steps(args.train.train_batch_size, micro, self.world)
         totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
         for k, samples in enumerate(steps):
-            max_tokens = self.max_tokens(samples)
-            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, max_tokens, self.one_row, values),
-                                 device())
-                       for i in range(0, len(samples), micro)]
-            ptx = [None] * len(batches)
-            if ptx_steps:
-                rows = ptx_steps[k]
-                ptx = [to_device(ptx_batch(rows[i : i + micro], self.pad_id, max_tokens, self.one_row,
-                                           gas * self.world), device()) for i in range(0, len(rows), micro)]
+            chunks = range(0, len(samples), micro)
+            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, self.max_tokens, self.one_row,
+                                            values), device()) for i in chunks]
+            ptx = [to_device(dict(collate(ptx_steps[k][i : i + micro], self.pad_id, max_tokens=self.max_tokens,
+                                          one_row=self.one_row), num_micro=gas * self.world), device())
+                   if ptx_steps else None for i in chunks]  # PPO-ptx rows, tagged with the step's micro-batches
             tokens, sequences = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in batches),
                                                 sum(not s.get("masked") for s in samples)])
             normaliser = float(max(tokens if args.loss_agg == "token" else sequences, 1))
@@ -648,11 +564,11 @@ class GroupMember:
                 engine.backward(loss)
                 grad_norm = optimizer_step(engine)
                 vllm_diff = max(vllm_diff, metrics.pop("vllm_logp_max_abs_diff", 0.0))
-                for k, v in metrics.items():
-                    step_metrics[k] = step_metrics.get(k, 0.0) + v / normaliser
+                for name, v in metrics.items():
+                    step_metrics[name] = step_metrics.get(name, 0.0) + v / normaliser
             reduced = all_reduce_sum(list(step_metrics.values()))
-            for k, v in zip(step_metrics, reduced):
-                totals[k] = totals.get(k, 0.0) + v / len(steps)
+            for name, v in zip(step_metrics, reduced):
+                totals[name] = totals.get(name, 0.0) + v / len(steps)
             grad_norms.append(grad_norm)
         totals["grad_norm"] = sum(grad_norms) / len(grad_norms)
         totals["lr"] = sum(lrs) / len(lrs)
@@ -664,49 +580,25 @@ class GroupMember:
 
 class PolicyTrainer(GroupMember):
     def setup(self, master_addr, master_port, num_training_steps):
-        """Join the actor group (bounded by --rendezvous_timeout) and load the policy (and reference)."""
+        """Join the actor group (bounded by --rendezvous_timeout) and load the policy."""
         self.join(master_addr, master_port)
         args, self.ckpt_dir = self.args, os.path.join(self.args.ckpt.ckpt_path, "actor")
         ds_config = deepspeed_config(args.train, self.world)
         model = load_causal_lm(args.model, ds_config)
         self.one_row = one_row_per_batch(model.config._attn_implementation)
         self.engine = create_train_engine(model, args.train, ds_config, num_training_steps)
-        self.ref = None
-        if args.init_kl_coef > 0:  # coefficient 0: no reference model at all
-            ref_config = deepspeed_eval_config(args.train, self.world)
-            self.ref = create_eval_engine(load_causal_lm(reference_args(args), ref_config), ref_config)
         return True
 
     def setup_weight_sync(self, engines):
-        import ray
-
-        from common.weight_sync import WeightSync
-
-        self.weight_sync = WeightSync(engines if self.rank == 0 else [], colocated=self.args.colocate_all_models,
-                                      tp_size=self.args.engine.tp_size, host=ray.util.get_node_ip_address(),
-                                      timeout_s=self.args.rendezvous_timeout)
+        self.weight_sync = weight_sync(self.args, self.rank, engines)
         return True
 
     def sync_weights(self):
         return self.weight_sync.sync(self.engine)
 
-    @torch.no_grad()
-    def logprobs(self, samples, policy=True):
-        """Per-response-token log-probs under the reference, and under the policy before the update unless
-        single_update makes them the update's own."""
-        self.engine.eval()
-        out = {"old_logps": [], "ref_logps": []}
-        micro, max_tokens = self.args.micro_rollout_batch_size, self.max_tokens(samples)
-        for start in range(0, len(samples), micro):
-            chunk = samples[start : start + micro]
-            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.one_row), device())
-            for key, model in (("old_logps", self.engine if policy else None), ("ref_logps", self.ref)):
-                if model is None:
-                    continue
-                logps, _ = token_logps(model, batch)
-                out[key] += [t[len(s["prompt_ids"]):].cpu().tolist() for s, t in zip(chunk, unpack(logps, batch))]
-        self.engine.train()
-        return out
+    def logprobs(self, samples):
+        """Per-response-token log-probs under the policy before the update."""
+        return self.per_token(samples, self.engine, lambda m, b: token_logps(m, b)[0])
 
     def train(self, steps, ptx_steps=None):
         args = self.args
@@ -721,6 +613,20 @@ class PolicyTrainer(GroupMember):
         return True
 
 
+class ReferenceRanks(GroupMember):
+    def setup(self, master_addr, master_port):
+        """Join the reference group and load the frozen start policy (DeepSpeed inference; ZeRO-3 shards it)."""
+        self.join(master_addr, master_port)
+        ds_config = deepspeed_eval_config(self.args.train, self.world)
+        model = load_causal_lm(reference_args(self.args), ds_config)
+        self.one_row = one_row_per_batch(model.config._attn_implementation)
+        self.engine = create_eval_engine(model, ds_config)
+        return True
+
+    def logprobs(self, samples):
+        return self.per_token(samples, self.engine, lambda m, b: token_logps(m, b)[0])
+
+
 class CriticTrainer(GroupMember):
     def setup(self, master_addr, master_port, num_training_steps):
         """Join the critic group and load the critic: a sequence-classification model whose value head is read
@@ -728,8 +634,11 @@ class CriticTrainer(GroupMember):
         from transformers import AutoModelForSequenceClassification
 
         self.join(master_addr, master_port)
-        self.ckpt_dir = os.path.join(self.args.ckpt.ckpt_path, "critic")
-        model_args, train_args = critic_args(self.args)
+        args, self.ckpt_dir = self.args, os.path.join(self.args.ckpt.ckpt_path, "critic")
+        # its own start point and learning rate, all weights trained (no LoRA); the actor's other settings
+        model_args = ModelArgs(pretrain=args.critic_pretrain, attn_implementation=args.model.attn_implementation,
+                               gradient_checkpointing=args.model.gradient_checkpointing)
+        train_args = dataclasses.replace(args.train, learning_rate=args.critic_learning_rate)
         ds_config = deepspeed_config(train_args, self.world)
         model = load_causal_lm(model_args, ds_config, model_cls=AutoModelForSequenceClassification, num_labels=1,
                                pad_token_id=self.pad_id)
@@ -737,18 +646,9 @@ class CriticTrainer(GroupMember):
         self.engine = create_train_engine(model, train_args, ds_config, num_training_steps)
         return True
 
-    @torch.no_grad()
     def values(self, samples):
         """Per-response-token values before the update."""
-        self.engine.eval()
-        out, micro, max_tokens = [], self.args.micro_rollout_batch_size, self.max_tokens(samples)
-        for start in range(0, len(samples), micro):
-            chunk = samples[start : start + micro]
-            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.one_row), device())
-            values = token_values(self.engine, batch, self.args.value_head_prefix)
-            out += [t[len(s["prompt_ids"]):].cpu().tolist() for s, t in zip(chunk, unpack(values, batch))]
-        self.engine.train()
-        return out
+        return self.per_token(samples, self.engine, lambda m, b: token_values(m, b, self.args.value_head_prefix))
 
     def train(self, steps):
         return self.train_steps(steps, ["values", "returns"], critic_micro_batch_loss)
@@ -759,165 +659,60 @@ class CriticTrainer(GroupMember):
         return True
 
 
-class RewardModels:
-    """Reward models from rm.py in their own Ray actor: one summed score per text."""
-
-    def __init__(self, paths, normalize):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        self.models = [AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
-        self.tokenizer, self.normalize = AutoTokenizer.from_pretrained(paths[0]), normalize
-
-    def score(self, texts):
-        from common.reward import score
-
-        return score(self.models, texts, self.tokenizer, normalize=self.normalize).tolist()
-
-
-# ----------------------------------------------------------------------------------------------
-# Driver side: prompts, placement, rewards
-# ----------------------------------------------------------------------------------------------
-def load_prompts(spec, split, args, tokenizer, max_samples):
-    """[{prompt_text, prompt_ids, label}]; rows missing a field or too long fail naming the file and row."""
-    raw = load_one(spec, split)
-    prompts, skipped = [], 0
-    for i in range(min(len(raw), max_samples)):
-        row = raw[i]
-        try:
-            if row.get(args.input_key) in (None, "", []):
-                raise BadRow(f"missing or empty field {args.input_key!r} (--input_key)")
-            if args.label_key and row.get(args.label_key) is None:
-                raise BadRow(f"missing field {args.label_key!r} (--label_key), which the reward needs")
-            text = format_prompt(row[args.input_key], tokenizer, args)
-            ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
-            limit = min(args.prompt_max_len, args.engine.max_model_len - 1)  # the engine needs room for a response
-            if len(ids) > limit:
-                raise BadRow(f"{len(ids)} prompt tokens, more than {limit} (--prompt_max_len {args.prompt_max_len}, "
-                             f"--max_model_len {args.engine.max_model_len})")
-        except BadRow as e:
-            if not args.skip_bad_rows:
-                raise ValueError(f"{spec}: row {i}: {e}") from None
-            skipped += 1
-            continue
-        prompts.append({"prompt_text": text, "prompt_ids": ids,
-                        "label": row[args.label_key] if args.label_key else None})
-    if not prompts:
-        raise ValueError(f"{spec}: no usable prompts ({len(raw)} rows, {skipped} skipped)")
-    if skipped:
-        print(f"{spec}: skipped {skipped} bad rows")
-    return prompts
-
-
-def prompt_at(prompts, position, seed):
-    """The prompt at stream position `position`: episode after episode, each in its own shuffled order."""
-    episode, k = divmod(position, len(prompts))
-    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + episode))
-    return prompts[order[k].item()]
-
-
 def place_models(args, world, critic_world, pad_id, roles):
-    """Ray actors: actor and critic ranks, vLLM engines, reward models; colocated in one placement group, or
-    each trainer group in its own. Each is added to `roles` under the name errors give it."""
+    """Ray actors: actor, reference and critic ranks, vLLM engines, reward models. Each trainer group has a
+    placement group of its own (spread over its nodes) unless colocated; colocated roles split a bundle's
+    device. Each is added to `roles` under the name errors give it."""
     import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from common.vllm_engine import create_vllm_actor
 
     gpu = ray.cluster_resources().get("GPU", 0) > 0
-    share = 0.2 if args.colocate_all_models else 1  # up to five roles share one device when colocated
+    everything = args.colocate_all_models
+    share = 0.2 if everything else 0.5  # up to five roles share a device with --colocate_all_models, else two
+    use_ref = args.init_kl_coef > 0
 
-    def group(size):
-        pg = placement_group([{"CPU": 1, "GPU": 1} if gpu else {"CPU": 1} for _ in range(size)], strategy="PACK")
-        roles.get(pg.ready(), timeout_s=args.startup_timeout)
-        return lambda i: PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+    def fraction(colocated):  # (num_cpus, num_gpus) of a role on a bundle it shares or owns
+        return (share, share if gpu else 0) if colocated else (1, 1 if gpu else 0)
 
-    in_bundle = group(world)
-    ranks_per_node = args.actor_num_gpus_per_node + args.critic_num_gpus_per_node  # CPU threads: cores / this
-    in_critic_bundle = in_bundle if args.colocate_all_models else group(critic_world)
-    cpus = 0.25 if args.colocate_all_models else 1  # colocated roles split their bundle's CPU
-    trainers = [roles.add(f"actor rank {r}", actor_class(PolicyTrainer).options(
-                    num_cpus=cpus, num_gpus=share if gpu else 0, scheduling_strategy=in_bundle(r)).remote(
-                    args, r, world, pad_id, ranks_per_node))
-                for r in range(world)]
-    critics = [roles.add(f"critic rank {r}", actor_class(CriticTrainer).options(
-                   num_cpus=cpus, num_gpus=share if gpu else 0, scheduling_strategy=in_critic_bundle(r)).remote(
-                   args, r, critic_world, pad_id, ranks_per_node))
-               for r in range(critic_world)]
+    actor_at = trainer_bundles(roles, args.actor_num_nodes, args.actor_num_gpus_per_node, gpu, args.startup_timeout,
+                               "actor")
+    ref_with_actor = everything or args.colocate_actor_ref
+    ref_at = actor_at if ref_with_actor or not use_ref else trainer_bundles(  # the reference mirrors the actor
+        roles, args.actor_num_nodes, args.actor_num_gpus_per_node, gpu, args.startup_timeout, "reference")
+    critic_at = actor_at if everything else trainer_bundles(
+        roles, args.critic_num_nodes, args.critic_num_gpus_per_node, gpu, args.startup_timeout, "critic")
+    # CPU threads per rank: cores / the ranks of a node that compute at the same time
+    ranks_per_node = args.actor_num_gpus_per_node * (2 if use_ref else 1) + args.critic_num_gpus_per_node
+
+    def ranks(name, cls, n, at, colocated):
+        cpus, gpus = fraction(colocated)
+        return [roles.add(f"{name} rank {r}", actor_class(cls).options(
+                    num_cpus=cpus, num_gpus=gpus, scheduling_strategy=at(r)).remote(
+                    args, r, n, pad_id, ranks_per_node)) for r in range(n)]
+
+    trainers = ranks("actor", PolicyTrainer, world, actor_at, ref_with_actor)
+    references = ranks("reference", ReferenceRanks, world, ref_at, ref_with_actor) if use_ref else []
+    critics = ranks("critic", CriticTrainer, critic_world, critic_at, everything or args.colocate_critic_reward)
     # an engine holds at once every sample of its share of a rollout (or of an evaluation round)
     per_engine = math.ceil(args.rollout_batch_size / args.vllm_num_engines)
     max_num_seqs = default_max_num_seqs(per_engine * max(args.n_samples_per_prompt, args.eval_n_samples_per_prompt))
     engines = []
     for i in range(args.vllm_num_engines):
-        options = {"scheduling_strategy": in_bundle(i * args.engine.tp_size)} if args.colocate_all_models else {}
+        cpus, gpus = fraction(everything)
+        options = {"scheduling_strategy": actor_at(i * args.engine.tp_size)} if everything else {}
         engines.append(roles.add(f"vLLM engine {i}", create_vllm_actor(
-            args.model.pretrain, args.engine, num_cpus=cpus if args.colocate_all_models else 1,
-            num_gpus=(share * args.engine.tp_size) if gpu else 0, enable_sleep=args.vllm_enable_sleep,
-            colocated=args.colocate_all_models, options=options, max_num_seqs=max_num_seqs)))
+            args.model.pretrain, args.engine, num_cpus=cpus, num_gpus=gpus * args.engine.tp_size,
+            enable_sleep=args.vllm_enable_sleep, colocated=everything, options=options, max_num_seqs=max_num_seqs)))
     reward_models = None
     if args.reward_pretrain:
-        options = {"scheduling_strategy": in_bundle(0)} if args.colocate_all_models else {}
+        colocated = everything or args.colocate_critic_reward
+        cpus, gpus = fraction(colocated)
+        options = {"scheduling_strategy": (actor_at if everything else critic_at)(0)} if colocated else {}
         reward_models = roles.add("reward models", actor_class(RewardModels).options(
-            num_cpus=cpus if args.colocate_all_models else 1, num_gpus=share if gpu else 0, **options).remote(
+            num_cpus=cpus, num_gpus=gpus, **options).remote(
             [p for p in args.reward_pretrain.split(",") if p], args.normalize_reward))
-    return trainers, critics, engines, reward_models
-
-
-def setup_group(roles, members, num_training_steps):
-    addr, port = roles.get(members[0].address.remote())
-    roles.get([m.setup.remote(addr, port, num_training_steps) for m in members])
-
-
-def generate(roles, engines, prompts, sampling, seeds):
-    """Split the prompts over the engines; one list of Sample per prompt, in order."""
-    per = math.ceil(len(prompts) / len(engines))
-    futures = [e.generate.remote([p["prompt_ids"] for p in prompts[i * per : (i + 1) * per]], sampling,
-                                 seeds[i * per : (i + 1) * per])
-               for i, e in enumerate(engines) if prompts[i * per : (i + 1) * per]]
-    return [group for chunk in roles.get(futures) for group in chunk]
-
-
-def compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer):
-    """One scalar reward per sample, shape (prompts, n): reward file / URL plus reward models."""
-    queries = [p["prompt_text"] + s.text for p, g in zip(prompts, groups) for s in g]
-    prompt_texts = [p["prompt_text"] for p, g in zip(prompts, groups) for _ in g]
-    labels = [p["label"] for p, g in zip(prompts, groups) for _ in g]
-    total = torch.zeros(len(queries))
-    if reward_fn is not None:
-        total += reward_fn(queries, prompt_texts, labels)
-    if reward_models is not None:  # the RM reads prompt + response + EOS, as rm.py trained it
-        texts = [p["prompt_text"] + tokenizer.decode(s.output_ids) for p, g in zip(prompts, groups) for s in g]
-        total += torch.tensor(roles.get(reward_models.score.remote(texts)))
-    return total.view(len(prompts), -1)
-
-
-def overlong_penalty(length, max_len, buffer, factor):
-    """DAPO: the reward lost by a response of `length` tokens that runs into the last `buffer` tokens."""
-    over = length - (max_len - buffer)
-    return min(max(over, 0), buffer) / buffer * factor if buffer > 0 else 0.0
-
-
-@torch.no_grad()
-def evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer):
-    n = args.eval_n_samples_per_prompt
-    sampling = SamplingArgs(n=n, temperature=args.eval_temperature, max_new_tokens=args.generate_max_len)
-    groups = generate(roles, engines, eval_prompts, sampling,
-                      [args.train.seed + 7919 * i for i in range(len(eval_prompts))])
-    rewards = compute_rewards(roles, reward_fn, reward_models, eval_prompts, groups, tokenizer)
-    return {"eval/pass@1": rewards.mean().item(), f"eval/pass@{n}": rewards.max(1).values.mean().item(),
-            "eval/response_length": sum(len(s.output_ids) for g in groups for s in g) / rewards.numel()}
-
-
-def split_steps(samples, args, step, ranks):
-    """Epochs x optimizer steps of --train_batch_size samples (a seeded shuffle), each split over `ranks`."""
-    per_rank, B, per_step = [[] for _ in range(ranks)], args.train.train_batch_size, len(samples)
-    for epoch in range(args.train.max_epochs):
-        order = torch.randperm(per_step, generator=torch.Generator().manual_seed(args.train.seed + 1000 * step + epoch))
-        for k in range(per_step // B):
-            chosen = [samples[i] for i in order[k * B : (k + 1) * B].tolist()]
-            for r in range(ranks):
-                per_rank[r].append(chosen[r * (B // ranks) : (r + 1) * (B // ranks)])
-    return per_rank
+    return trainers, references, critics, engines, reward_models
 
 
 # ----------------------------------------------------------------------------------------------
@@ -932,34 +727,22 @@ def main(args: Args):
     prompts = load_prompts(args.prompt_data, args.prompt_split, args, tokenizer, args.max_samples)
     eval_prompts = args.eval_dataset and load_prompts(args.eval_dataset, args.eval_split, args, tokenizer, 10**9)
     ptx = load_ptx(args, tokenizer) if args.pretrain_data else None
-    reward_fn = None
-    if args.remote_rm_url:
-        from common.remote_reward import make_reward_fn
-
-        reward_fn = make_reward_fn(args.remote_rm_url, token=args.remote_rm_token, flag="--remote_rm_url")
-        reward_fn([], [], [])  # an empty batch checks the URL and token (or the file) before any model starts
+    reward_fn = reward_function(args)
     n, per_step = args.n_samples_per_prompt, args.rollout_batch_size * args.n_samples_per_prompt
-    total_steps = args.num_episodes * len(prompts) // args.rollout_batch_size
-    if args.max_steps > 0:
-        total_steps = min(total_steps, args.max_steps)
-    steps_per_episode = max(len(prompts) // args.rollout_batch_size, 1)
-    if total_steps < 1:
-        raise ValueError(f"{len(prompts)} prompts x --num_episodes {args.num_episodes} is fewer than one "
-                         f"--rollout_batch_size {args.rollout_batch_size}")
+    total_steps, steps_per_episode = rollout_steps(args, len(prompts))
     updates_per_rollout = per_step // args.train.train_batch_size * args.train.max_epochs
     print(critic_source(args))
 
-    if args.ray_address:
-        ray.init(address=args.ray_address, runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
-    else:  # a local Ray: logical CPUs for every role even on a 2-core machine
-        ray.init(num_cpus=max(os.cpu_count() or 1, 2 * (world + critic_world) + args.vllm_num_engines + 1),
-                 include_dashboard=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": ROOT, "TOKENIZERS_PARALLELISM": "false"}})
+    start_ray(args, 2 * (2 * world + critic_world) + args.vllm_num_engines + 1, ROOT)
     roles = Roles()
-    trainers, critics, engines, reward_models = place_models(args, world, critic_world, tokenizer.pad_token_id, roles)
-    roles.ready(args.startup_timeout)  # every role is up before anyone waits on another in a rendezvous
-    setup_group(roles, trainers, max(total_steps - args.freezing_actor_steps, 1) * updates_per_rollout)
-    setup_group(roles, critics, total_steps * updates_per_rollout)
+    trainers, references, critics, engines, reward_models = place_models(args, world, critic_world,
+                                                                         tokenizer.pad_token_id, roles)
+    if args.colocate_all_models:  # vLLM sizes its cache by the free device memory: it starts alone
+        roles.ready(args.startup_timeout)
+    setups = (start_group(roles, trainers, max(total_steps - args.freezing_actor_steps, 1) * updates_per_rollout)
+              + start_group(roles, critics, total_steps * updates_per_rollout) + start_group(roles, references))
+    roles.ready(args.startup_timeout)  # the groups load their models while the engines start
+    roles.get(setups)
     roles.get([t.setup_weight_sync.remote(engines) for t in trainers])
 
     state = {"global_step": 0, "consumed_prompts": 0, "consumed_ptx": 0, "best_pass1": -math.inf}
@@ -990,57 +773,24 @@ def main(args: Args):
             phases.set_postfix_str(name)
 
         # 1-2. sample prompts, generate n responses each, reward them (refilling dropped groups)
-        kept, dropped, rounds = [], [], 0
-        while len(kept) < args.rollout_batch_size and rounds < max(1, args.dynamic_filtering_max_rounds):
-            need, rounds = args.rollout_batch_size - len(kept), rounds + 1
-            positions = range(state["consumed_prompts"], state["consumed_prompts"] + need)
-            batch_prompts = [prompt_at(prompts, i, args.train.seed) for i in positions]
-            state["consumed_prompts"] += need
-            t0 = time.time()
-            # a seed per prompt position: the same samples whatever the engine count or batching (resume is exact)
-            groups = generate(roles, engines, batch_prompts, sampling,
-                              [args.train.seed * 1_000_003 + i for i in positions])
-            phase("generate", t0)
-            t0 = time.time()
-            rewards = compute_rewards(roles, reward_fn, reward_models, batch_prompts, groups, tokenizer)
-            phase("reward", t0)
-            for p, g, r in zip(batch_prompts, groups, rewards):
-                all_equal = bool((r == r[0]).all())
-                (dropped if args.dynamic_filtering and all_equal else kept).append((p, g, r))
-            if not args.dynamic_filtering:
-                break
-        kept += dropped[: args.rollout_batch_size - len(kept)]  # rounds ran out: equal-reward groups carry no signal
+        samples, raw_rewards, dropped, rounds = sample_rollout(args, roles, engines, prompts, state, sampling,
+                                                               reward_fn, reward_models, tokenizer, phase)
         phases.update(2)
 
-        raw_rewards = torch.stack([r for _, _, r in kept])
-        samples = []
-        for p, g, r in kept:
-            for s, reward in zip(g, r.tolist()):
-                penalty = overlong_penalty(len(s.output_ids), args.generate_max_len, args.overlong_buffer_len,
-                                           args.overlong_penalty_factor)
-                samples.append({"prompt_ids": p["prompt_ids"], "response_ids": list(s.output_ids),
-                                "vllm_logps": list(s.logprobs), "reward": reward - penalty,
-                                "masked": args.mask_truncated_responses and s.finish_reason == "length"})
-
-        # 3. before the update: actor log-probs (old, unless single_update), reference log-probs, critic values
+        # 3. before the update, side by side, each group its contiguous shard: actor log-probs (unless
+        # single_update makes them the update's own), reference log-probs, critic values
         t0 = time.time()
-        shard, policy_pass = per_step // world, not single_update(args)
-        actor_refs = []
-        if policy_pass or args.init_kl_coef > 0:
-            actor_refs = [t.logprobs.remote(samples[r * shard : (r + 1) * shard], policy_pass)
-                          for r, t in enumerate(trainers)]
-        cshard = per_step // critic_world
-        critic_refs = [c.values.remote(samples[r * cshard : (r + 1) * cshard]) for r, c in enumerate(critics)]
-        outs, critic_outs = roles.get(actor_refs), roles.get(critic_refs)
-        for r, out in enumerate(outs):
-            for k, s in enumerate(samples[r * shard : (r + 1) * shard]):
-                if policy_pass:
-                    s["old_logps"] = out["old_logps"][k]
-                if out["ref_logps"]:
-                    s["ref_logps"] = out["ref_logps"][k]
-        for r, values in enumerate(critic_outs):
-            for k, s in enumerate(samples[r * cshard : (r + 1) * cshard]):
-                s["values"] = values[k]
+        policy_pass = not single_update(args)
+
+        def each_rank(members, method):
+            shard = per_step // max(len(members), 1)
+            return [getattr(m, method).remote(samples[r * shard : (r + 1) * shard]) for r, m in enumerate(members)]
+
+        jobs = {"values": each_rank(critics, "values"), "ref_logps": each_rank(references, "logprobs"),
+                "old_logps": each_rank(trainers if policy_pass else [], "logprobs")}
+        for key, refs in jobs.items():
+            for s, v in zip(samples, [x for shard in roles.get(refs) for x in shard]):
+                s[key] = v
         phase("logprobs_values", t0)
         phases.update(1)
 
@@ -1057,7 +807,7 @@ def main(args: Args):
         for s, a, ret in zip(samples, advantages, returns):
             s["advantages"], s["returns"] = a.tolist(), ret.tolist()
         flat_mask = torch.cat(masks).bool()
-        explained = explained_variance(torch.cat(values)[flat_mask], torch.cat(returns)[flat_mask])
+        flat_values, flat_returns = torch.cat(values)[flat_mask], torch.cat(returns)[flat_mask]
 
         # 5. updates: the critic always, the actor after --freezing_actor_steps; side by side
         if args.vllm_enable_sleep:
@@ -1066,8 +816,7 @@ def main(args: Args):
         critic_steps = split_steps(samples, args, step, critic_world)
         refs = [c.train.remote(critic_steps[r]) for r, c in enumerate(critics)]
         if not actor_frozen:
-            actor_steps = split_steps(samples, args, step, world)
-            ptx_steps = [None] * world
+            actor_steps, ptx_steps = split_steps(samples, args, step, world), [None] * world
             if ptx:
                 ptx_steps, state["consumed_ptx"] = ptx_steps_for(ptx, actor_steps, state["consumed_ptx"],
                                                                  args.train.seed)
@@ -1094,12 +843,11 @@ def main(args: Args):
         metrics = {"train/reward": raw_rewards.mean().item(), "train/reward_std": raw_rewards.std().item(),
                    "train/response_length": sum(lengths) / len(lengths),
                    "train/truncated": sum(s["masked"] for s in samples) / len(samples),
-                   "train/dropped_groups": len(dropped), "train/sampling_rounds": rounds,
-                   "train/actor_frozen": float(actor_frozen), "train/advantage_abs": torch.cat(advantages)[
-                       flat_mask].abs().mean().item() if flat_mask.any() else 0.0,
-                   "critic/explained_variance": explained,
-                   "critic/values": torch.cat(values)[flat_mask].mean().item() if flat_mask.any() else 0.0,
-                   "critic/returns": torch.cat(returns)[flat_mask].mean().item() if flat_mask.any() else 0.0,
+                   "train/dropped_groups": dropped, "train/sampling_rounds": rounds,
+                   "train/actor_frozen": float(actor_frozen),
+                   "train/advantage_abs": mean(torch.cat(advantages)[flat_mask].abs()),
+                   "critic/explained_variance": explained_variance(flat_values, flat_returns),
+                   "critic/values": mean(flat_values), "critic/returns": mean(flat_returns),
                    "perf/sync_mb": sync["bytes"] / 2**20, "perf/samples_per_s": per_step / (time.time() - t_step),
                    **{f"critic/{k}": v for k, v in critic_metrics.items()}}
         if actor_metrics:
@@ -1110,11 +858,10 @@ def main(args: Args):
             metrics["check/vllm_logp_max_abs_diff"] = max(
                 (torch.tensor(s["old_logps"]) - torch.tensor(s["vllm_logps"])).abs().max().item() for s in samples)
         metrics.update(timing)
-        if all("ref_logps" in s and "old_logps" in s for s in samples):
-            metrics["train/kl"] = (sum(approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]),
-                                                 "k1").sum().item()
-                                       for s in samples) / sum(lengths))
-        bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", ev=f"{explained:.2f}")
+        if references and policy_pass:
+            metrics["train/kl"] = sum(approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]),
+                                                "k1").sum().item() for s in samples) / sum(lengths)
+        bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", ev=f"{metrics['critic/explained_variance']:.2f}")
         if eval_prompts and eval_due(global_step, args.log.eval_steps, steps_per_episode, total_steps):
             metrics.update(evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer))
             bar.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
@@ -1144,8 +891,6 @@ if __name__ == "__main__":
         sys.exit(f"error: {e}")
     try:
         main(parsed)
-    except ValueError as e:  # data mistakes found before training
-        sys.exit(f"error: {e}")
-    except RoleFailed as e:  # a role died, raised or did not start: named, with its root cause
-        sys.exit(f"error: {e}")
+    except (ValueError, RoleFailed) as e:  # data mistakes found before training; a role that died, raised or
+        sys.exit(f"error: {e}")  # did not start, named with its root cause
     finish()  # exit without interpreter teardown (see common.engine.finish)

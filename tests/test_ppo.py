@@ -1,15 +1,17 @@
 """algos/ppo.py: GAE (several gamma / lambda, decoupled lambda, masked tokens skipped) and the clipped
 value loss against hand-computed values; the critic's per-token values packed = padded = the
-exported AutoModelForSequenceClassification; argument errors before Ray starts; and one end-to-end
-run (real Ray, vLLM, DeepSpeed on CPU: 2 actor ranks, 1 critic rank, 1 engine) that learns, warms
-the critic up with the actor frozen, exports both models, and resumes actor and critic exactly."""
+exported AutoModelForSequenceClassification; argument errors before Ray starts; one end-to-end run
+(real Ray, vLLM, DeepSpeed on CPU: 2 actor ranks, 1 critic rank, 1 engine), shared by the tests that
+it learns, warms the critic up with the actor frozen, exports both models, and resumes actor and
+critic exactly; and one colocated run with a LoRA actor, a reference, a reward model and PPO-ptx."""
 
 import os
 
 import pytest
 import torch
 
-from conftest import ROOT, load_algo, read_jsonl, run_script
+from common.rl import token_sample
+from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script
 
 ppo = load_algo("ppo")
 REWARD = os.path.join(ROOT, "launch", "rewards", "exact_match.py")
@@ -98,7 +100,7 @@ def test_critic_values_packed_padded_and_as_sequence_classification(assets, tmp_
     samples = [{"prompt_ids": [3, 20 + i, 21], "response_ids": [30 + (i * k) % 50 for k in range(2 + i)]}
                for i in range(5)]
     packed = ppo.make_batch(samples, 0, 64, False)
-    padded = ppo.collate([ppo.token_sample(s) for s in samples], 0, packing=False)
+    padded = ppo.collate([token_sample(s) for s in samples], 0, packing=False)
     with torch.no_grad():
         vp = ppo.unpack(ppo.token_values(exported, packed), packed)
         vq = ppo.unpack(ppo.token_values(exported, padded), padded)
@@ -145,6 +147,17 @@ def test_argument_errors_and_critic_default(assets, tmp_path):
         ppo.parse_args([*required, "--lambd_critic", "1.5"])
     with pytest.raises(ValueError, match="critic ranks"):
         ppo.parse_args([*required, "--critic_num_gpus_per_node", "2"])
+    # a placement flag with nothing to place is refused, naming it
+    with pytest.raises(ValueError, match=r"--colocate_actor_ref needs --init_kl_coef > 0"):
+        ppo.parse_args([*required, "--colocate_actor_ref"])
+    with pytest.raises(ValueError, match="--colocate_critic_reward needs --reward_pretrain"):
+        ppo.parse_args([*required, "--colocate_critic_reward"])
+    with pytest.raises(ValueError, match="--colocate_all_models puts each critic rank on an actor device"):
+        ppo.parse_args([*required, "--colocate_all_models", "--critic_num_gpus_per_node", "2", "--rollout_batch_size",
+                        "32", "--train_batch_size", "32"])
+    parsed = ppo.parse_args([*required, "--init_kl_coef", "0.01", "--colocate_actor_ref", "--actor_num_nodes", "2",
+                             "--critic_num_nodes", "2", "--rollout_batch_size", "64", "--train_batch_size", "32"])
+    assert parsed.colocate_actor_ref and parsed.actor_num_nodes == parsed.critic_num_nodes == 2
     # through the real CLI: one `error:` line, before Ray starts
     proc = run_script("ppo.py", [*required, "--advantage_estimator", "rloo"], expect_ok=False)
     assert proc.returncode != 0 and "error: --advantage_estimator rloo" in proc.stderr
@@ -166,51 +179,102 @@ def ppo_args(assets, model, tmp, *extra):
             "--save_path", tmp / "out", "--metrics_file", tmp / "metrics.jsonl", *extra]
 
 
-def test_ppo_learns_reversal_warms_up_the_critic_and_resumes(assets, rl_start_model, tmp_path):
-    from transformers import AutoModelForSequenceClassification
+def without_eval(args):
+    i = args.index("--eval_dataset")
+    return args[:i] + args[i + 2 :]
 
-    run_script("ppo.py", ppo_args(assets, rl_start_model, tmp_path, "--max_steps", 20, "--freezing_actor_steps", 2,
-                                  "--save_steps", 10, "--ckpt_path", tmp_path / "ckpt"), timeout=900)
-    metrics = read_jsonl(tmp_path / "metrics.jsonl")
-    steps = {m["step"]: m for m in metrics if "train/reward" in m}
-    evals = [m["eval/pass@1"] for m in metrics if "eval/pass@1" in m]
+
+@pytest.fixture(scope="module")
+def run(assets, rl_start_model, tmp_path_factory):
+    """One 20-step run shared by the end-to-end tests: the critic warms up for 2 steps (actor frozen),
+    checkpoints at steps 18 and 20; (tmp, {step: metrics}, [eval pass@1])."""
+    tmp = tmp_path_factory.mktemp("ppo_run")
+    run_script("ppo.py", ppo_args(assets, rl_start_model, tmp, "--max_steps", 20, "--freezing_actor_steps", 2,
+                                  "--save_steps", 18, "--ckpt_path", tmp / "ckpt"), timeout=900)
+    metrics = read_jsonl(tmp / "metrics.jsonl")
+    return tmp, {m["step"]: m for m in metrics if "train/reward" in m}, [m["eval/pass@1"] for m in metrics
+                                                                        if "eval/pass@1" in m]
+
+
+def test_ppo_learns_reversal_and_the_critic_explains_the_returns(run):
+    tmp, steps, evals = run
     assert len(steps) == 20 and len(evals) == 3
     # greedy exact match on 200 held-out prompts; measured 0.66 -> 0.76 / 0.73 / 0.745 (seeds 42 / 1 / 2)
     assert evals[-1] - evals[0] >= 0.04, evals
     # the critic learns to predict the returns (explained variance starts below 0: a fresh head)
     ev = [steps[s]["critic/explained_variance"] for s in sorted(steps)]
     assert sum(ev[-5:]) / 5 > 0.05 and sum(ev[-5:]) / 5 > ev[0], ev
-    # --freezing_actor_steps 2: steps 1-2 train the critic only and sync nothing; the actor's log-probs
-    # before step 3 still equal vLLM's of the start weights, so the actor did not move
+    diffs = [m["check/vllm_logp_max_abs_diff"] for m in steps.values()]
+    assert len(diffs) == 20 and max(diffs) <= 1e-4, diffs  # every step: the engines hold the actor's weights
+    phases = ("generate", "reward", "logprobs_values", "critic_train", "train", "sync")
+    assert all(steps[s][f"time/{p}"] > 0 for s in steps for p in phases)
+    assert all(steps[s]["time/actor_train"] > 0 for s in steps if s > 2)
+    # exports: the actor a causal LM, the critic an AutoModelForSequenceClassification, the best actor
+    from transformers import AutoModelForSequenceClassification
+
+    critic = AutoModelForSequenceClassification.from_pretrained(tmp / "out" / "critic")
+    assert critic.config.num_labels == 1 and critic.score.weight.shape[0] == 1
+    assert os.path.exists(tmp / "out" / "config.json") and os.path.exists(tmp / "out" / "best" / "config.json")
+
+
+def test_freezing_actor_steps_train_only_the_critic(run):
+    """--freezing_actor_steps 2: steps 1-2 update the critic only and sync nothing; the actor's log-probs
+    before step 3's update still equal vLLM's (which holds the start weights), so the actor did not move."""
+    _, steps, _ = run
     for s in (1, 2):
         assert steps[s]["train/actor_frozen"] == 1.0 and "train/policy_loss" not in steps[s]
         assert steps[s]["critic/grad_norm"] > 0 and steps[s]["perf/sync_mb"] == 0
+    assert steps[1]["check/vllm_logp_max_abs_diff"] <= 1e-4 and steps[2]["check/vllm_logp_max_abs_diff"] <= 1e-4
     assert steps[3]["train/actor_frozen"] == 0.0 and "train/policy_loss" in steps[3]
-    diffs = [m["check/vllm_logp_max_abs_diff"] for m in steps.values()]
-    assert len(diffs) == 20 and max(diffs) <= 1e-4, diffs
-    assert all(steps[s][f"time/{p}"] > 0 for s in steps for p in ("generate", "logprobs_values", "critic_train"))
-    # exports: the actor a causal LM, the critic an AutoModelForSequenceClassification (its weights moved)
-    critic = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "critic")
-    assert critic.config.num_labels == 1 and critic.score.weight.shape[0] == 1
-    assert os.path.exists(tmp_path / "out" / "best" / "config.json")
+    assert steps[3]["check/vllm_logp_max_abs_diff"] <= 1e-4 and steps[3]["perf/sync_mb"] > 0
+    # the critic moved: the values of step 1's samples and of step 2's differ by more than noise
+    assert abs(steps[2]["critic/values"] - steps[1]["critic/values"]) > 1e-3
 
-    # resume from step 10 (as if the run had died after saving it): steps 11-12 of actor and critic
-    # reproduce the uninterrupted run
-    (tmp_path / "metrics.jsonl").unlink()
+
+def test_resume_reproduces_actor_and_critic(run, assets, rl_start_model):
+    """Resume at step 18 (as if the run had died after saving it): steps 19-20 and the final actor and
+    critic weights equal the uninterrupted run's."""
+    tmp, steps, _ = run
     for role in ("actor", "critic"):
-        (tmp_path / "ckpt" / role / "latest").write_text("global_step10")
-    proc = run_script("ppo.py", ppo_args(assets, rl_start_model, tmp_path / "resumed", "--max_steps", 12,
-                                         "--freezing_actor_steps", 2, "--load_checkpoint", "--ckpt_path",
-                                         tmp_path / "ckpt"), timeout=900)
-    assert "resumed from" in proc.stdout and "at step 10" in proc.stdout
-    resumed = {m["step"]: m for m in read_jsonl(tmp_path / "resumed" / "metrics.jsonl") if "train/reward" in m}
-    assert sorted(resumed) == [11, 12]
-    for s in (11, 12):
+        (tmp / "ckpt" / role / "latest").write_text("global_step18")
+    proc = run_script("ppo.py", without_eval(ppo_args(assets, rl_start_model, tmp / "resumed", "--max_steps", 20,
+                                                      "--freezing_actor_steps", 2, "--load_checkpoint",
+                                                      "--ckpt_path", tmp / "ckpt")), timeout=900)
+    assert "resumed from" in proc.stdout and "at step 18" in proc.stdout
+    resumed = {m["step"]: m for m in read_jsonl(tmp / "resumed" / "metrics.jsonl") if "train/reward" in m}
+    assert sorted(resumed) == [19, 20]
+    for s in (19, 20):
         assert resumed[s]["train/reward"] == steps[s]["train/reward"]
         for key in ("train/policy_loss", "critic/value_loss", "critic/explained_variance"):
             assert abs(resumed[s][key] - steps[s][key]) <= 1e-5, (s, key)
     assert max(m["check/vllm_logp_max_abs_diff"] for m in resumed.values()) <= 1e-4  # engines got the resumed actor
+    assert max_weight_diff(tmp / "out", tmp / "resumed" / "out") <= 1e-5
+    assert max_weight_diff(tmp / "out" / "critic", tmp / "resumed" / "out" / "critic") <= 1e-5
 
+
+def test_colocated_lora_actor_with_reference_reward_model_and_ptx(assets, rl_start_model, tmp_path):
+    """Everything on one device (--colocate_all_models: actor, reference, critic, engine, reward model),
+    a LoRA actor, the KL to a reference in the reward, two reward models summed with the rule (the critic
+    starts from the first: its score head is the value head), and PPO-ptx: it runs, the engine tracks the merged LoRA
+    actor, the policy moves away from the reference, and the pretraining loss falls."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    for seed in (0, 1):  # two reward models (fresh score heads), summed
+        torch.manual_seed(seed)
+        AutoModelForSequenceClassification.from_pretrained(rl_start_model, num_labels=1).save_pretrained(
+            tmp_path / f"rm{seed}")
+        AutoTokenizer.from_pretrained(rl_start_model).save_pretrained(tmp_path / f"rm{seed}")
+    args = without_eval(ppo_args(
+        assets, rl_start_model, tmp_path, "--actor_num_gpus_per_node", 1, "--colocate_all_models", "--lora_rank", 8,
+        "--actor_learning_rate", 1e-3, "--init_kl_coef", 0.01, "--reward_pretrain", f"{tmp_path}/rm0,{tmp_path}/rm1",
+        "--pretrain_data", f"{assets}/data/reverse/pretrain_train.jsonl", "--ptx_coef", 0.5, "--max_steps", 4))
+    proc = run_script("ppo.py", args, timeout=900)
+    assert "a reward model: its score head is the value head" in proc.stdout
+    steps = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if "train/reward" in m]
+    assert len(steps) == 4 and max(m["check/vllm_logp_max_abs_diff"] for m in steps) <= 1e-4
+    assert abs(steps[0]["train/kl"]) < 1e-5 < abs(steps[-1]["train/kl"])  # the reference is the start policy
+    assert steps[-1]["train/ptx_loss"] < steps[0]["train/ptx_loss"], [m["train/ptx_loss"] for m in steps]
+    assert os.path.exists(tmp_path / "out" / "critic" / "config.json")
 
 
 def test_ptx_loss_mixed_into_the_actor_step(assets):
@@ -236,7 +300,7 @@ def test_ptx_loss_mixed_into_the_actor_step(assets):
                 "advantages": torch.randn(2 + i).tolist(), "old_logps": (-torch.rand(2 + i) * 3).tolist(),
                 "vllm_logps": [0.0] * (2 + i)} for i in range(4)]
     batch = ppo.make_batch(samples, 0, 64, False, ["advantages", "old_logps", "vllm_logps"])
-    pb = ppo.ptx_batch(steps[0][0], 0, 64, False, 1)
+    pb = dict(ppo.collate(steps[0][0], 0, max_tokens=64), num_micro=1)  # as PolicyTrainer.train_steps builds it
 
     def step(args, ptx):
         model.zero_grad()

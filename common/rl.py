@@ -1,0 +1,352 @@
+"""What the Ray RL drivers (ppo.py, grpo.py) share and is no algorithm: prompts, Ray start-up and
+placement, rollouts with vLLM, rewards, evaluation, and the packed batches of samples. The
+advantages and losses stay in each script.
+
+Every function takes the script's own `args` and reads the flags both scripts name the same way.
+"""
+
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Annotated, Optional
+
+import torch
+import tyro
+
+from common.data import BadRow, format_prompt, load_one, validate_prompt_args
+from common.engine import ModelArgs, init_distributed, set_seed
+from common.packing import collate
+from common.tracking import LogArgs
+from common.vllm_engine import EngineArgs, SamplingArgs, resolve_max_model_len
+
+
+@dataclass
+class RolloutEngineArgs(EngineArgs):
+    tp_size: Annotated[int, tyro.conf.arg(name="vllm_tensor_parallel_size")] = 1
+    """Tensor-parallel size of each vLLM engine."""
+    max_model_len: Optional[int] = None
+    """Longest prompt + response an engine serves (default: --prompt_max_len + --generate_max_len, at most the
+    model's max_position_embeddings)."""
+    seed: tyro.conf.Suppress[int] = 0  # unused: every request carries its own seed (derived from --seed)
+
+
+@dataclass
+class RolloutLogArgs(LogArgs):
+    logging_steps: int = 1
+    """Log training scalars every N rollout steps."""
+    eval_steps: int = -1
+    """Evaluate on --eval_dataset every N rollout steps (-1: after each pass over the prompts), before the first
+    and after the last rollout step."""
+
+
+def validate_rollout_args(args, world, script):
+    """The checks of the flags every RL driver shares (world: actor trainer ranks); fills --max_model_len."""
+    if args.model.aux_loss_coef > 0:
+        raise ValueError(f"--aux_loss_coef (MoE load balancing) is not implemented in {script}")
+    n = args.n_samples_per_prompt
+    if n < 1:
+        raise ValueError(f"--n_samples_per_prompt must be >= 1, got {n}")
+    rollout = args.rollout_batch_size * n
+    if rollout % args.train.train_batch_size:
+        raise ValueError(f"--rollout_batch_size {args.rollout_batch_size} x --n_samples_per_prompt {n} = {rollout} "
+                         f"samples must be a multiple of --train_batch_size {args.train.train_batch_size}")
+    if rollout % (args.micro_rollout_batch_size * world):
+        raise ValueError(f"{rollout} samples per rollout must be a multiple of --micro_rollout_batch_size "
+                         f"{args.micro_rollout_batch_size} x {world} trainer ranks")
+    if not (args.remote_rm_url or args.reward_pretrain):
+        raise ValueError("no reward: give --remote_rm_url (a .py reward file or an HTTP URL) and/or --reward_pretrain")
+    if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
+        from common.remote_reward import load_reward_func
+
+        # a missing file or function fails now, not after the models load
+        load_reward_func(args.remote_rm_url, "--remote_rm_url")
+    needed = args.prompt_max_len + args.generate_max_len
+    if args.engine.max_model_len is not None and args.engine.max_model_len < needed:
+        raise ValueError(f"--max_model_len {args.engine.max_model_len} must be >= --prompt_max_len "
+                         f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len}")
+    args.engine.max_model_len = resolve_max_model_len(args.model.pretrain, args.engine.max_model_len, needed)
+    if args.use_kl_loss and args.init_kl_coef <= 0:
+        raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
+    if args.overlong_buffer_len >= args.generate_max_len:
+        raise ValueError(f"--overlong_buffer_len {args.overlong_buffer_len} must be < --generate_max_len")
+    if args.colocate_all_models and args.vllm_num_engines * args.engine.tp_size != world:
+        raise ValueError(f"--colocate_all_models puts one engine device on each trainer device: --vllm_num_engines "
+                         f"x --vllm_tensor_parallel_size must equal {world} trainer ranks")
+    if args.vllm_enable_sleep and not args.colocate_all_models:
+        raise ValueError("--vllm_enable_sleep only helps with --colocate_all_models")
+    validate_prompt_args(args.input_template, args.apply_chat_template)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts and steps
+# ----------------------------------------------------------------------------------------------
+def load_prompts(spec, split, args, tokenizer, max_samples):
+    """[{prompt_text, prompt_ids, label}]; rows missing a field or too long fail naming the file and row."""
+    raw = load_one(spec, split)
+    prompts, skipped = [], 0
+    for i in range(min(len(raw), max_samples)):
+        row = raw[i]
+        try:
+            if row.get(args.input_key) in (None, "", []):
+                raise BadRow(f"missing or empty field {args.input_key!r} (--input_key)")
+            if args.label_key and row.get(args.label_key) is None:
+                raise BadRow(f"missing field {args.label_key!r} (--label_key), which the reward needs")
+            text = format_prompt(row[args.input_key], tokenizer, args)
+            ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
+            limit = min(args.prompt_max_len, args.engine.max_model_len - 1)  # the engine needs room for a response
+            if len(ids) > limit:
+                raise BadRow(f"{len(ids)} prompt tokens, more than {limit} (--prompt_max_len {args.prompt_max_len}, "
+                             f"--max_model_len {args.engine.max_model_len})")
+        except BadRow as e:
+            if not args.skip_bad_rows:
+                raise ValueError(f"{spec}: row {i}: {e}") from None
+            skipped += 1
+            continue
+        prompts.append({"prompt_text": text, "prompt_ids": ids,
+                        "label": row[args.label_key] if args.label_key else None})
+    if not prompts:
+        raise ValueError(f"{spec}: no usable prompts ({len(raw)} rows, {skipped} skipped)")
+    if skipped:
+        print(f"{spec}: skipped {skipped} bad rows")
+    return prompts
+
+
+def prompt_at(prompts, position, seed):
+    """The prompt at stream position `position`: episode after episode, each in its own shuffled order."""
+    episode, k = divmod(position, len(prompts))
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + episode))
+    return prompts[order[k].item()]
+
+
+def rollout_steps(args, num_prompts):
+    """(rollout steps of the run, rollout steps per pass over the prompts)."""
+    total_steps = args.num_episodes * num_prompts // args.rollout_batch_size
+    if args.max_steps > 0:
+        total_steps = min(total_steps, args.max_steps)
+    if total_steps < 1:
+        raise ValueError(f"{num_prompts} prompts x --num_episodes {args.num_episodes} is fewer than one "
+                         f"--rollout_batch_size {args.rollout_batch_size}")
+    return total_steps, max(num_prompts // args.rollout_batch_size, 1)
+
+
+def split_steps(samples, args, step, ranks):
+    """Epochs x optimizer steps of --train_batch_size samples (a seeded shuffle), each split over `ranks`."""
+    per_rank, B, per_step = [[] for _ in range(ranks)], args.train.train_batch_size, len(samples)
+    for epoch in range(args.train.max_epochs):
+        order = torch.randperm(per_step, generator=torch.Generator().manual_seed(args.train.seed + 1000 * step + epoch))
+        for k in range(per_step // B):
+            chosen = [samples[i] for i in order[k * B : (k + 1) * B].tolist()]
+            for r in range(ranks):
+                per_rank[r].append(chosen[r * (B // ranks) : (r + 1) * (B // ranks)])
+    return per_rank
+
+
+# ----------------------------------------------------------------------------------------------
+# Ray: start-up, placement, trainer groups
+# ----------------------------------------------------------------------------------------------
+def start_ray(args, num_roles, root):
+    """Join --ray_address, or start a local Ray with a logical CPU for every role even on a 2-core machine."""
+    import ray
+
+    if args.ray_address:
+        ray.init(address=args.ray_address, runtime_env={"env_vars": {"PYTHONPATH": root}})
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, num_roles), include_dashboard=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": root, "TOKENIZERS_PARALLELISM": "false"}})
+
+
+def trainer_bundles(roles, num_nodes, per_node, gpu, timeout_s, name):
+    """A placement group of num_nodes x per_node bundles (one per trainer rank), rank r on node r // per_node
+    (PACK alone may fill one node: a STRICT_SPREAD probe picks distinct nodes, then each bundle is pinned);
+    returns bundle index -> scheduling strategy."""
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle, world = ({"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}), num_nodes * per_node
+    selectors = None
+    if num_nodes > 1:
+        probe = placement_group([{k: v * per_node for k, v in bundle.items()}] * num_nodes, strategy="STRICT_SPREAD")
+        roles.get(probe.ready(), timeout_s=timeout_s)
+        node_ids = placement_group_table(probe)["bundles_to_node_id"]
+        remove_placement_group(probe)
+        selectors = [{"ray.io/node-id": node_ids[r // per_node]} for r in range(world)]
+        print(f"{name} group: {world} ranks on {num_nodes} nodes, {per_node} per node")
+    pg = placement_group([bundle] * world, strategy="PACK", bundle_label_selector=selectors)
+    roles.get(pg.ready(), timeout_s=timeout_s)
+    return lambda i: PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+
+
+def reference_args(args):
+    """The frozen reference model (--init_kl_coef > 0): the start policy, loaded as the policy is (attention
+    kernel, 4-bit)."""
+    return ModelArgs(pretrain=args.model.pretrain, attn_implementation=args.model.attn_implementation,
+                     load_in_4bit=args.model.load_in_4bit)
+
+
+def rendezvous_address():
+    """This node's address and a free port, for a trainer group's rendezvous (asked of its rank 0)."""
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+
+def join_group(rank, world, master_addr, master_port, timeout_s, seed, ranks_per_node):
+    """Join a trainer group as `rank` (bounded by timeout_s); on CPU take cores / ranks_per_node threads (Ray
+    gives an actor num_cpus threads, 1)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
+                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    init_distributed(timeout_s=timeout_s)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // ranks_per_node))
+    set_seed(seed)
+
+
+def weight_sync(args, rank, engines):
+    """The actor rank's side of the weight sync into the vLLM engines (rank 0 sends; the others take part in
+    the gathers)."""
+    import ray
+
+    from common.weight_sync import WeightSync
+
+    return WeightSync(engines if rank == 0 else [], colocated=args.colocate_all_models, tp_size=args.engine.tp_size,
+                      host=ray.util.get_node_ip_address(), timeout_s=args.rendezvous_timeout)
+
+
+def start_group(roles, members, *setup_args):
+    """Start every member's setup(addr, port, *setup_args), rendezvous at rank 0; returns the refs to wait on."""
+    if not members:
+        return []
+    addr, port = roles.get(members[0].address.remote())
+    return [m.setup.remote(addr, port, *setup_args) for m in members]
+
+
+# ----------------------------------------------------------------------------------------------
+# Samples: a response with its prompt, made into collated batches with per-token values
+# ----------------------------------------------------------------------------------------------
+def token_sample(s):
+    """The input_ids/loss_mask dict collate() packs: loss on the response tokens (none if masked)."""
+    return {"input_ids": s["prompt_ids"] + s["response_ids"],
+            "loss_mask": [0] * len(s["prompt_ids"]) + [0 if s.get("masked") else 1] * len(s["response_ids"])}
+
+
+def make_batch(samples, pad_id, max_tokens, one_row, values=()):
+    """Collate samples (packed; one row with a per-sample attention kernel), and lay each named
+    per-response-token value out like the tokens."""
+    batch = collate([token_sample(s) for s in samples], pad_id, packing=True, max_tokens=max_tokens, one_row=one_row)
+    for key in values:
+        laid = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        for s, (r, start, n) in zip(samples, batch["spans"]):
+            p = len(s["prompt_ids"])
+            laid[r, start + p : start + n] = torch.as_tensor(s[key], dtype=torch.float32)
+        batch[key] = laid
+    return batch
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollouts, rewards, evaluation
+# ----------------------------------------------------------------------------------------------
+class RewardModels:
+    """Reward models from rm.py in their own Ray actor: one summed score per text."""
+
+    def __init__(self, paths, normalize):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.models = [AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
+        self.tokenizer, self.normalize = AutoTokenizer.from_pretrained(paths[0]), normalize
+
+    def score(self, texts):
+        from common.reward import score
+
+        return score(self.models, texts, self.tokenizer, normalize=self.normalize).tolist()
+
+
+def reward_function(args):
+    """--remote_rm_url as a function, checked on an empty batch (the URL and token, or the file) before any
+    model starts; None without it."""
+    if not args.remote_rm_url:
+        return None
+    from common.remote_reward import make_reward_fn
+
+    reward_fn = make_reward_fn(args.remote_rm_url, token=args.remote_rm_token, flag="--remote_rm_url")
+    reward_fn([], [], [])
+    return reward_fn
+
+
+def generate(roles, engines, prompts, sampling, seeds):
+    """Split the prompts over the engines; one list of Sample per prompt, in order."""
+    per = math.ceil(len(prompts) / len(engines))
+    futures = [e.generate.remote([p["prompt_ids"] for p in prompts[i * per : (i + 1) * per]], sampling,
+                                 seeds[i * per : (i + 1) * per])
+               for i, e in enumerate(engines) if prompts[i * per : (i + 1) * per]]
+    return [group for chunk in roles.get(futures) for group in chunk]
+
+
+def compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer):
+    """One scalar reward per sample, shape (prompts, n): reward file / URL plus reward models."""
+    queries = [p["prompt_text"] + s.text for p, g in zip(prompts, groups) for s in g]
+    prompt_texts = [p["prompt_text"] for p, g in zip(prompts, groups) for _ in g]
+    labels = [p["label"] for p, g in zip(prompts, groups) for _ in g]
+    total = torch.zeros(len(queries))
+    if reward_fn is not None:
+        total += reward_fn(queries, prompt_texts, labels)
+    if reward_models is not None:  # the RM reads prompt + response + EOS, as rm.py trained it
+        texts = [p["prompt_text"] + tokenizer.decode(s.output_ids) for p, g in zip(prompts, groups) for s in g]
+        total += torch.tensor(roles.get(reward_models.score.remote(texts)))
+    return total.view(len(prompts), -1)
+
+
+def overlong_penalty(length, max_len, buffer, factor):
+    """DAPO: the reward lost by a response of `length` tokens that runs into the last `buffer` tokens."""
+    over = length - (max_len - buffer)
+    return min(max(over, 0), buffer) / buffer * factor if buffer > 0 else 0.0
+
+
+def sample_rollout(args, roles, engines, prompts, state, sampling, reward_fn, reward_models, tokenizer, phase):
+    """--rollout_batch_size prompts from the stream at state["consumed_prompts"] (advanced), n responses each,
+    rewarded; with --dynamic_filtering groups of equal rewards are dropped and new prompts refill the batch.
+    Returns (samples, raw rewards (prompts, n), dropped groups, sampling rounds); phase(name, t0) times."""
+    kept, dropped, rounds = [], [], 0
+    while len(kept) < args.rollout_batch_size and rounds < max(1, args.dynamic_filtering_max_rounds):
+        need, rounds = args.rollout_batch_size - len(kept), rounds + 1
+        positions = range(state["consumed_prompts"], state["consumed_prompts"] + need)
+        batch_prompts = [prompt_at(prompts, i, args.train.seed) for i in positions]
+        state["consumed_prompts"] += need
+        t0 = time.time()
+        # a seed per prompt position: the same samples whatever the engine count or batching (resume is exact)
+        groups = generate(roles, engines, batch_prompts, sampling, [args.train.seed * 1_000_003 + i for i in positions])
+        phase("generate", t0)
+        t0 = time.time()
+        rewards = compute_rewards(roles, reward_fn, reward_models, batch_prompts, groups, tokenizer)
+        phase("reward", t0)
+        for p, g, r in zip(batch_prompts, groups, rewards):
+            all_equal = bool((r == r[0]).all())
+            (dropped if args.dynamic_filtering and all_equal else kept).append((p, g, r))
+        if not args.dynamic_filtering:
+            break
+    kept += dropped[: args.rollout_batch_size - len(kept)]  # rounds ran out: equal-reward groups carry no signal
+    samples = []
+    for p, g, r in kept:
+        for s, reward in zip(g, r.tolist()):
+            penalty = overlong_penalty(len(s.output_ids), args.generate_max_len, args.overlong_buffer_len,
+                                       args.overlong_penalty_factor)
+            samples.append({"prompt_ids": p["prompt_ids"], "response_ids": list(s.output_ids),
+                            "vllm_logps": list(s.logprobs), "reward": reward - penalty,
+                            "masked": args.mask_truncated_responses and s.finish_reason == "length"})
+    return samples, torch.stack([r for _, _, r in kept]), len(dropped), rounds
+
+
+@torch.no_grad()
+def evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer):
+    n = args.eval_n_samples_per_prompt
+    sampling = SamplingArgs(n=n, temperature=args.eval_temperature, max_new_tokens=args.generate_max_len)
+    groups = generate(roles, engines, eval_prompts, sampling,
+                      [args.train.seed + 7919 * i for i in range(len(eval_prompts))])
+    rewards = compute_rewards(roles, reward_fn, reward_models, eval_prompts, groups, tokenizer)
+    return {"eval/pass@1": rewards.mean().item(), f"eval/pass@{n}": rewards.max(1).values.mean().item(),
+            "eval/response_length": sum(len(s.output_ids) for g in groups for s in g) / rewards.numel()}
