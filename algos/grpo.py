@@ -14,13 +14,14 @@ ranks there. Each step reads top to bottom in `main`: prompts -> n samples per p
 -> log-probs (policy before the update, reference) -> advantages -> policy update -> weight sync.
 
 Multi-turn agents (--agent_func_path env.py, a class Env with reset / step; launch/agent_lookup.py is the
-built-in task's): each episode is a list of segments (token_ids, trainable, logprobs), the model's turns appended
-as the tokens vLLM sampled and the environment's as tokens that carry no loss and take no part in the
-advantages. With a chat template each next turn is rendered and must extend the tokens so far exactly, else the
-sample forks or the episode is rejected (counted). Asynchronous rollouts (--async_train --max_staleness 1): the
-next step's rollout runs in a driver thread while the trainer updates; the weight sync waits for it to finish
-(never overlaps a generation); those samples are one update old, and vLLM's log-probs of them are the old policy
-of the clipped ratio.
+built-in task's): each episode is a list of segments (token_ids, trainable, logprobs), the model's turns
+appended as the tokens vLLM sampled and the environment's as tokens that carry no loss and take no part in
+the advantages. With a chat template each next turn is rendered and must extend the text of the tokens so
+far (only what it adds is tokenised), else the sample forks or the episode is rejected (counted).
+
+Asynchronous rollouts (--async_train --max_staleness 1): the next step's rollout runs in a driver thread
+while the trainer updates; the weight sync waits for it to finish (never overlaps a generation); those
+samples are one update old, and vLLM's log-probs of them are the old policy of the clipped ratio.
 
 Differences from OpenRLHF, on purpose: --init_kl_coef defaults to 0 (no reference model, as GRPO
 recipes with verifiable rewards now run); `dr_grpo` also uses Dr. GRPO's constant loss normaliser
@@ -204,9 +205,9 @@ class Args:
     """Token budget of an episode: prompt, model and environment turns (default: --prompt_max_len + --max_turns x
     --generate_max_len); each model turn gets at most what is left."""
     episode_mismatch: Literal["fork", "reject"] = "fork"
-    """When the chat template renders the next turn so that it does not extend the episode's tokens exactly: fork
-    (the training sample restarts at the rendered conversation; earlier turns become context without loss) or
-    reject (the episode carries no loss). Counted as train/episode_forks and train/episode_rejects."""
+    """When the chat template renders the next turn so that it does not extend what the episode's tokens say (it
+    rewrites history): fork (the training sample restarts at the rendered conversation; earlier turns become context
+    without loss) or reject (the episode carries no loss). Counted as train/episode_forks and train/episode_rejects."""
     # -- asynchronous rollouts
     async_train: bool = False
     """Generate the next step's samples while the trainer updates on this step's (one step off-policy)."""
@@ -831,18 +832,20 @@ def env_call(method, path, episode, turn, *inputs):
 
 def append_observation(e, observation, action_text, tokenizer, args):
     """The environment's answer as tokens after the model's. Plain prompts: the observation's own tokens. Chat
-    template: the conversation rendered with the observation as the next user turn (and the generation prompt),
-    which must extend the episode's tokens exactly; if it does not, fork or reject (--episode_mismatch)."""
+    template: the conversation is rendered with the observation as the next user turn (and the generation prompt);
+    where that text extends the text of the episode's tokens, the tokens of what it adds are appended (the model's
+    tokens stay as sampled, even where they are not the tokenizer's own split of their text). Where it does not
+    (the template rewrote history), fork or reject (--episode_mismatch)."""
     if not args.apply_chat_template:
         e.segments.append((tokenizer(observation, add_special_tokens=False)["input_ids"], False, None))
         return
     e.messages += [{"role": "assistant", "content": action_text}, {"role": "user", "content": observation}]
     text = tokenizer.apply_chat_template(e.messages, tokenize=False, add_generation_prompt=True)
-    rendered, so_far = tokenizer(text, add_special_tokens=False)["input_ids"], e.tokens()
-    if rendered[: len(so_far)] == so_far:
-        e.segments.append((rendered[len(so_far):], False, None))
+    seen = tokenizer.decode(e.tokens(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    if text.startswith(seen):
+        e.segments.append((tokenizer(text[len(seen):], add_special_tokens=False)["input_ids"], False, None))
     elif args.episode_mismatch == "fork":
-        e.segments, e.forks = [(rendered, False, None)], e.forks + 1
+        e.segments, e.forks = [(tokenizer(text, add_special_tokens=False)["input_ids"], False, None)], e.forks + 1
     else:
         e.rejected = e.done = True
 
