@@ -876,12 +876,15 @@ def run_episodes(args, env_cls, generate_fn, tokenizer, prompts, n, temperature,
         for (i, e), (s,) in zip(active, generate_fn([e.tokens() for _, e in active], samplings)):
             e.segments.append((list(s.output_ids), True, list(s.logprobs)))
             e.turns, e.finish_reason = e.turns + 1, s.finish_reason
-            observation, reward, done = env_call(e.env.step, path, i, turn, s.text)
+            # the text of the sampled tokens, as the check in append_observation decodes them (vLLM's own text
+            # holds back a trailing partial UTF-8 character)
+            text = tokenizer.decode(s.output_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            observation, reward, done = env_call(e.env.step, path, i, turn, text)
             e.reward += float(reward)
             if done or turn + 1 == args.max_turns:
                 e.done = True
                 continue
-            append_observation(e, observation, s.text, tokenizer, args)
+            append_observation(e, observation, text, tokenizer, args)
             if len(e.tokens()) >= budget:  # no room for another turn: cut off, as a response at its length limit
                 e.done, e.finish_reason = True, "length"
     return [episodes[k * n : (k + 1) * n] for k in range(len(prompts))]
