@@ -213,7 +213,8 @@ class Args:
     """Generate the next step's samples while the trainer updates on this step's (one step off-policy)."""
     max_staleness: int = 1
     """With --async_train: the most policy updates between the weights that generated a sample and the update that
-    trains on it (0: no overlap, the synchronous run). Off-policy samples take vLLM's log-probs as the old policy."""
+    trains on it (0: no overlap, the synchronous run). One rollout runs ahead, so any K >= 1 trains one update
+    off-policy, with vLLM's log-probs as the old policy."""
     rollout_timeout: float = 1800.0
     """Seconds the driver waits for a step's rollout (engines, environment, rewards), and for the engines to finish
     it before a weight sync; then it stops naming who is late."""
