@@ -4,7 +4,7 @@ versions are asserted), still learns, and refuses a loss without a trust region.
 
 import pytest
 
-from conftest import load_algo, max_weight_diff, read_jsonl, run_script
+from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script
 from test_grpo import REWARD, grpo_args
 
 grpo = load_algo("grpo")
@@ -63,3 +63,35 @@ def test_off_policy_needs_a_trust_region(assets):
     # staleness 0 is the synchronous run, shortcut included
     assert grpo.single_update(grpo.parse_args([*required, "--max_staleness", "0", "--rollout_batch_size", "8",
                                                "--train_batch_size", "64"]))
+
+
+class Slow:
+    def wait(self, seconds):
+        import time
+
+        time.sleep(seconds)
+        return seconds
+
+
+def test_a_wait_past_its_timeout_names_the_role():
+    """The driver's bounded waits (rollout, weight sync) end with the name of who is late, not a silent hang."""
+    import os
+    import time
+
+    import ray
+
+    from common.roles import RoleFailed, Roles, actor_class
+
+    ray.init(num_cpus=1, include_dashboard=False,  # the actor's class is this module's
+             runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}:{os.path.join(ROOT, 'tests')}"}})
+    try:
+        roles = Roles(poll_s=0.2)
+        slow = roles.add("vLLM engine 0", actor_class(Slow).remote())
+        roles.ready(120)
+        t0 = time.time()
+        with pytest.raises(RoleFailed, match=r"^vLLM engines \(generating\): no answer within 1 s$"):
+            roles.get([slow.wait.remote(60)], 1, "vLLM engines (generating)")
+        assert time.time() - t0 < 30
+    finally:
+        ray.shutdown()
+        os.environ.pop("RAY_ADDRESS", None)
