@@ -7,7 +7,7 @@ For each model and mode: builds the model (common/tiny.py) if missing, runs `alg
 --steps rollout steps on the reversal prompts, and prints the mean seconds of each phase (generate,
 reward, logprobs, train, sync; with --async_train generate and reward ran during the previous
 step's update), the driver's wait for the rollout, the step time, samples/s, and the idle fraction
-of the engine (1 - generate / step) and of the trainer (1 - (logprobs + train + sync) / step), over
+of the engine (1 - generate / step, at least 0) and of the trainer (1 - (logprobs + train + sync) / step), over
 the steps after the first (start-up excluded). The untrained models mostly run to
 --generate_max_len. Run it on an idle machine: on CPU every role shares the cores, so the phases
 that async overlaps also compete for them.
@@ -81,7 +81,7 @@ def main(args: Args):
                     steps = [m for m in map(json.loads, f) if "train/reward" in m][1:]
             mean = {p: sum(m[f"time/{p}"] for m in steps) / len(steps) for p in PHASES}
             step_s = sum(samples / m["perf/samples_per_s"] for m in steps) / len(steps)
-            engine_idle = 1 - mean["generate"] / step_s
+            engine_idle = max(0.0, 1 - mean["generate"] / step_s)  # async: generation slowed by the update it overlaps
             trainer_idle = 1 - (mean["logprobs"] + mean["train"] + mean["sync"]) / step_s
             print(f"{model:<12}{mode:<7}" + "".join(f"{mean[p]:>11.3f}" for p in PHASES)
                   + f"{step_s:>9.2f}{samples / step_s:>11.1f}{engine_idle:>13.2f}{trainer_idle:>14.2f}")
