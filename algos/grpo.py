@@ -282,8 +282,8 @@ def parse_args(argv=None):
     needed = max(args.prompt_max_len + args.generate_max_len, args.max_episode_tokens or 0)
     if args.engine.max_model_len is not None and args.engine.max_model_len < needed:
         raise ValueError(f"--max_model_len {args.engine.max_model_len} must be >= --prompt_max_len "
-                         f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len} and >= "
-                         f"--max_episode_tokens {args.max_episode_tokens}")
+                         f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len}"
+                         + (f" and >= --max_episode_tokens {args.max_episode_tokens}" if args.agent_func_path else ""))
     args.engine.max_model_len = resolve_max_model_len(args.model.pretrain, args.engine.max_model_len, needed)
     if args.use_kl_loss and args.init_kl_coef <= 0:
         raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
