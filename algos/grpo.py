@@ -858,7 +858,11 @@ def run_episodes(args, env_cls, generate_fn, tokenizer, prompts, n, temperature,
     path, budget, episodes = args.agent_func_path, args.max_episode_tokens, []
     for p in prompts:
         for _ in range(n):
-            e = Episode(env_cls(), [], [])
+            try:
+                e = Episode(env_cls(), [], [])
+            except Exception as error:
+                raise ValueError(f"--agent_func_path {path}: episode {len(episodes)}: Env() raised "
+                                 f"{type(error).__name__}: {error}") from None
             observation = env_call(e.env.reset, path, len(episodes), 0, p["raw"], p["label"])
             ids = tokenizer(format_prompt(observation, tokenizer, args),
                             add_special_tokens=not args.apply_chat_template)["input_ids"]
@@ -871,8 +875,10 @@ def run_episodes(args, env_cls, generate_fn, tokenizer, prompts, n, temperature,
         active = [(i, e) for i, e in enumerate(episodes) if not e.done]
         if not active:
             break
-        samplings = [SamplingArgs(n=1, temperature=temperature, top_p=args.top_p, seed=seeds[i // n] + 7919 * (i % n)
-                                  + 104_729 * turn, max_new_tokens=min(args.generate_max_len, budget - len(e.tokens())))
+        # a seed per (prompt seed, sample, turn): hash() of ints is the same in every process and run
+        samplings = [SamplingArgs(n=1, temperature=temperature, top_p=args.top_p,
+                                  seed=hash((seeds[i // n], i % n, turn)) % 2**31,
+                                  max_new_tokens=min(args.generate_max_len, budget - len(e.tokens())))
                      for i, e in active]
         for (i, e), (s,) in zip(active, generate_fn([e.tokens() for _, e in active], samplings)):
             e.segments.append((list(s.output_ids), True, list(s.logprobs)))
