@@ -13,6 +13,16 @@ the reference model when a KL term is on), vLLM engine actors, and a reward-mode
 ranks there. Each step reads top to bottom in `main`: prompts -> n samples per prompt -> rewards
 -> log-probs (policy before the update, reference) -> advantages -> policy update -> weight sync.
 
+Multi-turn agents (--agent_func_path env.py, a class Env with reset / step; launch/agent_lookup.py is the
+built-in task's): each episode is a list of segments (token_ids, trainable, logprobs), the model's turns
+appended as the tokens vLLM sampled and the environment's as tokens that carry no loss and take no part in
+the advantages. With a chat template each next turn is rendered and must extend the text of the tokens so
+far (only what it adds is tokenised), else the sample forks or the episode is rejected (counted).
+
+Asynchronous rollouts (--async_train --max_staleness 1): the next step's rollout runs in a driver thread
+while the trainer updates; the weight sync waits for it to finish (never overlaps a generation); those
+samples are one update old, and vLLM's log-probs of them are the old policy of the clipped ratio.
+
 Differences from OpenRLHF, on purpose: --init_kl_coef defaults to 0 (no reference model, as GRPO
 recipes with verifiable rewards now run); `dr_grpo` also uses Dr. GRPO's constant loss normaliser
 (OpenRLHF keeps the token mean); log-probs are of the untempered policy (the temperature only
@@ -20,6 +30,7 @@ shapes sampling), and vLLM's log-probs of the sampled tokens are checked against
 every step (`check/vllm_logp_max_abs_diff`).
 """
 
+import concurrent.futures
 import math
 import os
 import socket
@@ -183,6 +194,30 @@ class Args:
     """Entropy bonus coefficient (entropy is logged either way)."""
     vllm_is_truncation: float = 0.0
     """Truncated importance sampling: weight each token's loss by min(p_trainer / p_vllm, this) (0: off)."""
+    # -- agents: multi-turn environments
+    agent_func_path: Optional[str] = None
+    """A .py file defining `class Env` with reset(prompt, label) -> first observation text and step(action text) ->
+    (observation text, reward, done), one Env per episode; the episode's reward is the sum of its steps' rewards
+    (instead of --remote_rm_url / --reward_pretrain)."""
+    max_turns: int = 4
+    """Model turns per episode at most (--agent_func_path)."""
+    max_episode_tokens: Optional[int] = None
+    """Token budget of an episode: prompt, model and environment turns (default: --prompt_max_len + --max_turns x
+    --generate_max_len); each model turn gets at most what is left."""
+    episode_mismatch: Literal["fork", "reject"] = "fork"
+    """When the chat template renders the next turn so that it does not extend what the episode's tokens say (it
+    rewrites history): fork (the training sample restarts at the rendered conversation; earlier turns become context
+    without loss) or reject (the episode carries no loss). Counted as train/episode_forks and train/episode_rejects."""
+    # -- asynchronous rollouts
+    async_train: bool = False
+    """Generate the next step's samples while the trainer updates on this step's (one step off-policy)."""
+    max_staleness: int = 1
+    """With --async_train: the most policy updates between the weights that generated a sample and the update that
+    trains on it (0: no overlap, the synchronous run). One rollout runs ahead, so any K >= 1 trains one update
+    off-policy, with vLLM's log-probs as the old policy."""
+    rollout_timeout: float = 1800.0
+    """Seconds the driver waits for a step's rollout (engines, environment, rewards), and for the engines to finish
+    it before a weight sync; then it stops naming who is late."""
     # -- placement
     actor_num_nodes: int = 1
     """Nodes for the trainer group."""
@@ -222,17 +257,33 @@ def parse_args(argv=None):
     if rollout % (args.micro_rollout_batch_size * world):
         raise ValueError(f"{rollout} samples per rollout must be a multiple of --micro_rollout_batch_size "
                          f"{args.micro_rollout_batch_size} x {world} trainer ranks")
-    if not (args.remote_rm_url or args.reward_pretrain):
-        raise ValueError("no reward: give --remote_rm_url (a .py reward file or an HTTP URL) and/or --reward_pretrain")
+    if args.agent_func_path:
+        load_env(args.agent_func_path)  # a missing file or class fails now, not after the models load
+        if args.remote_rm_url or args.reward_pretrain:
+            raise ValueError("--agent_func_path: the environment's step() gives the rewards; drop --remote_rm_url "
+                             "and --reward_pretrain")
+        if args.max_turns < 1:
+            raise ValueError(f"--max_turns must be >= 1, got {args.max_turns}")
+        if args.overlong_buffer_len > 0:
+            raise ValueError("--overlong_buffer_len is for single-turn responses, not --agent_func_path episodes")
+        if args.max_episode_tokens is None:
+            args.max_episode_tokens = args.prompt_max_len + args.max_turns * args.generate_max_len
+        if args.max_episode_tokens <= args.prompt_max_len:
+            raise ValueError(f"--max_episode_tokens {args.max_episode_tokens} leaves no room after --prompt_max_len "
+                             f"{args.prompt_max_len}")
+    elif not (args.remote_rm_url or args.reward_pretrain):
+        raise ValueError("no reward: give --remote_rm_url (a .py reward file or an HTTP URL), --reward_pretrain, "
+                         "or an environment (--agent_func_path)")
     if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
         from common.remote_reward import load_reward_func
 
         # a missing file or function fails now, not after the models load
         load_reward_func(args.remote_rm_url, "--remote_rm_url")
-    needed = args.prompt_max_len + args.generate_max_len
+    needed = max(args.prompt_max_len + args.generate_max_len, args.max_episode_tokens or 0)
     if args.engine.max_model_len is not None and args.engine.max_model_len < needed:
         raise ValueError(f"--max_model_len {args.engine.max_model_len} must be >= --prompt_max_len "
-                         f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len}")
+                         f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len}"
+                         + (f" and >= --max_episode_tokens {args.max_episode_tokens}" if args.agent_func_path else ""))
     args.engine.max_model_len = resolve_max_model_len(args.model.pretrain, args.engine.max_model_len, needed)
     if args.use_kl_loss and args.init_kl_coef <= 0:
         raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
@@ -245,6 +296,19 @@ def parse_args(argv=None):
                          f"x --vllm_tensor_parallel_size must equal {world} trainer ranks")
     if args.vllm_enable_sleep and not args.colocate_all_models:
         raise ValueError("--vllm_enable_sleep only helps with --colocate_all_models")
+    if args.max_staleness < 0:
+        raise ValueError(f"--max_staleness must be >= 0, got {args.max_staleness}")
+    if args.async_train and args.vllm_enable_sleep:
+        raise ValueError("--async_train generates while the trainer updates: the engines cannot sleep "
+                         "(drop --vllm_enable_sleep)")
+    if off_policy(args):  # samples one update old: the clip is the trust region that keeps that stable
+        eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
+        if not (0 < eps_low < 1 and 0 < eps_high < 1):
+            raise ValueError(f"--async_train with --max_staleness {args.max_staleness} needs a clipped ratio: "
+                             f"--eps_clip / --eps_clip_low_high bounds in (0, 1), got {eps_low}, {eps_high}")
+        if args.vllm_is_truncation > 0:
+            raise ValueError("--vllm_is_truncation with --async_train --max_staleness > 0: the old policy is already "
+                             "vLLM's (the ratio p_trainer / p_vllm is the clipped PPO ratio)")
     validate_prompt_args(args.input_template, args.apply_chat_template)
     return args
 
@@ -307,6 +371,23 @@ def compute_advantages(rewards, kl_penalties, estimator, gamma=1.0, eps=1e-9):
     return advantages
 
 
+def sample_advantages(samples, rewards, args):
+    """Per-response-token advantages of each sample (rewards: (prompts, n)). Only the model's tokens take part
+    (their KL penalties, returns-to-go, the whitening); an episode's environment tokens get 0 and can never change
+    the advantages of the model's tokens."""
+    kl_in_reward = args.init_kl_coef > 0 and not args.use_kl_loss
+    masks = [torch.tensor(s.get("trainable", [1] * len(s["response_ids"])), dtype=torch.bool) for s in samples]
+    kls = [args.init_kl_coef * approx_kl(torch.tensor(s["old_logps"])[m], torch.tensor(s["ref_logps"])[m],
+                                         args.kl_estimator)
+           if kl_in_reward else torch.zeros(int(m.sum())) for s, m in zip(samples, masks)]
+    out = []
+    for m, a in zip(masks, compute_advantages(rewards, kls, args.advantage_estimator, args.gamma)):
+        full = torch.zeros(len(m))
+        full[m] = a
+        out.append(full)
+    return out
+
+
 def policy_loss(logps, old_logps, advantages, eps_low, eps_high, dual_clip=None):
     """Per-token PPO clipped loss (asymmetric bounds, optional dual clip) and a clipped-token mask."""
     ratio = torch.exp((logps - old_logps).clamp(-20, 20))
@@ -349,10 +430,19 @@ def token_entropy(logits):
     return torch.nn.functional.pad(-(logps.exp() * logps).sum(-1), (1, 0))
 
 
+def off_policy(args):
+    """--async_train with --max_staleness > 0: samples come from the weights one update before the
+    trainer's, and vLLM's log-probs of them (the behaviour policy) are the old policy of the clip."""
+    return args.async_train and args.max_staleness > 0
+
+
 def single_update(args):
     """Each rollout feeds exactly one optimizer step, and no KL to the reference goes into the
     reward: the log-probs before the update are the update's own (ratio 1), so the separate
-    forward that computes them is skipped, as TRL and OpenRLHF skip it."""
+    forward that computes them is skipped, as TRL and OpenRLHF skip it. Never off-policy: there
+    the ratio to the behaviour policy is not 1."""
+    if off_policy(args):
+        return False
     samples = args.rollout_batch_size * args.n_samples_per_prompt
     one_step = args.train.max_epochs == 1 and samples == args.train.train_batch_size
     return one_step and not (args.init_kl_coef > 0 and not args.use_kl_loss)
@@ -392,9 +482,11 @@ def micro_batch_loss(model, batch, args, normaliser, scale=1.0):
 # Samples: a response with its prompt, made into collated batches with per-token values
 # ----------------------------------------------------------------------------------------------
 def token_sample(s):
-    """The input_ids/loss_mask dict collate() packs: loss on the response tokens (none if masked)."""
+    """The input_ids/loss_mask dict collate() packs: loss on the response tokens the model wrote (an episode's
+    environment tokens are not trainable), none if masked."""
+    trainable = s.get("trainable", [1] * len(s["response_ids"]))
     return {"input_ids": s["prompt_ids"] + s["response_ids"],
-            "loss_mask": [0] * len(s["prompt_ids"]) + [0 if s.get("masked") else 1] * len(s["response_ids"])}
+            "loss_mask": [0] * len(s["prompt_ids"]) + [0 if s.get("masked") else t for t in trainable]}
 
 
 def make_batch(samples, pad_id, max_tokens, one_row, values=()):
@@ -580,7 +672,7 @@ def load_prompts(spec, split, args, tokenizer, max_samples):
                 raise ValueError(f"{spec}: row {i}: {e}") from None
             skipped += 1
             continue
-        prompts.append({"prompt_text": text, "prompt_ids": ids,
+        prompts.append({"prompt_text": text, "prompt_ids": ids, "raw": row[args.input_key],
                         "label": row[args.label_key] if args.label_key else None})
     if not prompts:
         raise ValueError(f"{spec}: no usable prompts ({len(raw)} rows, {skipped} skipped)")
@@ -648,13 +740,15 @@ def place_models(args, world, pad_id, roles):
     return trainers, engines, reward_models
 
 
-def generate(roles, engines, prompts, sampling, seeds):
-    """Split the prompts over the engines; one list of Sample per prompt, in order."""
-    per = math.ceil(len(prompts) / len(engines))
-    futures = [e.generate.remote([p["prompt_ids"] for p in prompts[i * per : (i + 1) * per]], sampling,
-                                 seeds[i * per : (i + 1) * per])
-               for i, e in enumerate(engines) if prompts[i * per : (i + 1) * per]]
-    return [group for chunk in roles.get(futures) for group in chunk]
+def generate(roles, engines, prompt_ids, sampling, seeds, timeout_s):
+    """Split the tokenized prompts over the engines; one list of Sample per prompt, in order. `sampling`: one
+    SamplingArgs, or one per prompt; `seeds`: one per prompt, or None (then each SamplingArgs carries its own)."""
+    per = math.ceil(len(prompt_ids) / len(engines))
+    futures = [e.generate.remote(prompt_ids[i * per : (i + 1) * per],
+                                 sampling[i * per : (i + 1) * per] if isinstance(sampling, list) else sampling,
+                                 seeds and seeds[i * per : (i + 1) * per])
+               for i, e in enumerate(engines) if prompt_ids[i * per : (i + 1) * per]]
+    return [group for chunk in roles.get(futures, timeout_s, "vLLM engines (generating)") for group in chunk]
 
 
 def compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer):
@@ -677,15 +771,160 @@ def overlong_penalty(length, max_len, buffer, factor):
     return min(max(over, 0), buffer) / buffer * factor if buffer > 0 else 0.0
 
 
+# ----------------------------------------------------------------------------------------------
+# Episodes (--agent_func_path): an environment file, and multi-turn rollouts token in / token out
+# ----------------------------------------------------------------------------------------------
+def load_env(path):
+    """The `Env` class of an environment file; ValueError naming the file and what it lacks."""
+    import importlib.util
+
+    if not os.path.isfile(path):
+        raise ValueError(f"--agent_func_path {path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"minrlhf_env_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise ValueError(f"--agent_func_path {path}: importing it raised {type(e).__name__}: {e}") from None
+    env = getattr(module, "Env", None)
+    missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+    if not isinstance(env, type) or missing:
+        raise ValueError(f"--agent_func_path {path}: defines no class Env with reset(prompt, label) -> observation "
+                         f"and step(action) -> (observation, reward, done)"
+                         + (f" (Env lacks {', '.join(missing)})" if isinstance(env, type) else ""))
+    return env
+
+
+@dataclass
+class Episode:
+    """One episode as segments (token_ids, trainable, logprobs): the prompt and the environment's turns (not
+    trainable, logprobs None) and the model's turns (trainable, with vLLM's log-probs). The segments concatenate to
+    exactly the tokens the engine was given and produced: nothing the model wrote is re-tokenised."""
+
+    env: object
+    segments: list
+    messages: list  # the conversation as chat messages, to render the next turn with the chat template
+    reward: float = 0.0
+    turns: int = 0
+    forks: int = 0
+    rejected: bool = False
+    done: bool = False
+    finish_reason: str = "stop"
+
+    def tokens(self):
+        return [t for ids, _, _ in self.segments for t in ids]
+
+
+def env_call(method, path, episode, turn, *inputs):
+    """An environment method, its errors and wrong return types named by file, episode and turn."""
+    where = f"--agent_func_path {path}: episode {episode}, turn {turn}: Env.{method.__name__}"
+    try:
+        out = method(*inputs)
+    except Exception as e:
+        raise ValueError(f"{where} raised {type(e).__name__}: {e}") from None
+    if method.__name__ == "reset" and not isinstance(out, str):
+        raise ValueError(f"{where} must return the observation text (str), got {type(out).__name__}")
+    if method.__name__ == "step" and not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], str)
+                                          and isinstance(out[1], (int, float)) and not isinstance(out[1], bool)
+                                          and isinstance(out[2], bool)):
+        raise ValueError(f"{where} must return (observation: str, reward: float, done: bool), got {out!r}"[:400])
+    return out
+
+
+def append_observation(e, observation, action_text, tokenizer, args):
+    """The environment's answer as tokens after the model's. Plain prompts: the observation's own tokens. Chat
+    template: the conversation is rendered with the observation as the next user turn (and the generation prompt);
+    where that text extends the text of the episode's tokens, the tokens of what it adds are appended (the model's
+    tokens stay as sampled, even where they are not the tokenizer's own split of their text). Where it does not
+    (the template rewrote history), fork or reject (--episode_mismatch)."""
+    if not args.apply_chat_template:
+        e.segments.append((tokenizer(observation, add_special_tokens=False)["input_ids"], False, None))
+        return
+    e.messages += [{"role": "assistant", "content": action_text}, {"role": "user", "content": observation}]
+    text = tokenizer.apply_chat_template(e.messages, tokenize=False, add_generation_prompt=True)
+    seen = tokenizer.decode(e.tokens(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    if text.startswith(seen):
+        e.segments.append((tokenizer(text[len(seen):], add_special_tokens=False)["input_ids"], False, None))
+    elif args.episode_mismatch == "fork":
+        e.segments, e.forks = [(tokenizer(text, add_special_tokens=False)["input_ids"], False, None)], e.forks + 1
+    else:
+        e.rejected = e.done = True
+
+
+def run_episodes(args, env_cls, generate_fn, tokenizer, prompts, n, temperature, seeds):
+    """n episodes per prompt, turn by turn: the tokens of every unfinished episode go to the engines at once
+    (generate_fn(token lists, SamplingArgs list) -> lists of Sample), the model's turn is appended as the tokens
+    it sampled, then the environment's answer. Returns one list of Episode per prompt."""
+    path, budget, episodes = args.agent_func_path, args.max_episode_tokens, []
+    for p in prompts:
+        for _ in range(n):
+            try:
+                e = Episode(env_cls(), [], [])
+            except Exception as error:
+                raise ValueError(f"--agent_func_path {path}: episode {len(episodes)}: Env() raised "
+                                 f"{type(error).__name__}: {error}") from None
+            observation = env_call(e.env.reset, path, len(episodes), 0, p["raw"], p["label"])
+            ids = tokenizer(format_prompt(observation, tokenizer, args),
+                            add_special_tokens=not args.apply_chat_template)["input_ids"]
+            if len(ids) >= budget:
+                raise ValueError(f"--agent_func_path {path}: episode {len(episodes)}: the first observation is "
+                                 f"{len(ids)} tokens, no room left in --max_episode_tokens {budget}")
+            e.segments, e.messages = [(ids, False, None)], [{"role": "user", "content": observation}]
+            episodes.append(e)
+    for turn in range(args.max_turns):
+        active = [(i, e) for i, e in enumerate(episodes) if not e.done]
+        if not active:
+            break
+        # a seed per (prompt seed, sample, turn): hash() of ints is the same in every process and run
+        samplings = [SamplingArgs(n=1, temperature=temperature, top_p=args.top_p,
+                                  seed=hash((seeds[i // n], i % n, turn)) % 2**31,
+                                  max_new_tokens=min(args.generate_max_len, budget - len(e.tokens())))
+                     for i, e in active]
+        for (i, e), (s,) in zip(active, generate_fn([e.tokens() for _, e in active], samplings)):
+            e.segments.append((list(s.output_ids), True, list(s.logprobs)))
+            e.turns, e.finish_reason = e.turns + 1, s.finish_reason
+            # the text of the sampled tokens, as the check in append_observation decodes them (vLLM's own text
+            # holds back a trailing partial UTF-8 character)
+            text = tokenizer.decode(s.output_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            observation, reward, done = env_call(e.env.step, path, i, turn, text)
+            e.reward += float(reward)
+            if done or turn + 1 == args.max_turns:
+                e.done = True
+                continue
+            append_observation(e, observation, text, tokenizer, args)
+            if len(e.tokens()) >= budget:  # no room for another turn: cut off, as a response at its length limit
+                e.done, e.finish_reason = True, "length"
+    return [episodes[k * n : (k + 1) * n] for k in range(len(prompts))]
+
+
+def episode_sample(e, mask_truncated):
+    """The training sample of an episode: its first segment is the prompt; the rest is the response, trainable
+    where the model wrote it, with vLLM's log-probs there (0 at the environment's tokens, which carry no loss)."""
+    (prompt, _, _), rest = e.segments[0], e.segments[1:]
+    return {"prompt_ids": list(prompt), "response_ids": [t for ids, _, _ in rest for t in ids],
+            "trainable": [int(trainable) for ids, trainable, _ in rest for _ in ids],
+            "vllm_logps": [lp for ids, trainable, lps in rest for lp in (lps if trainable else [0.0] * len(ids))],
+            "masked": e.rejected or (mask_truncated and e.finish_reason == "length")}
+
+
 @torch.no_grad()
-def evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer):
+def evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer, env_cls=None):
     n = args.eval_n_samples_per_prompt
-    sampling = SamplingArgs(n=n, temperature=args.eval_temperature, max_new_tokens=args.generate_max_len)
-    groups = generate(roles, engines, eval_prompts, sampling,
-                      [args.train.seed + 7919 * i for i in range(len(eval_prompts))])
-    rewards = compute_rewards(roles, reward_fn, reward_models, eval_prompts, groups, tokenizer)
+    seeds = [args.train.seed + 7919 * i for i in range(len(eval_prompts))]
+    if env_cls is not None:
+        groups = run_episodes(args, env_cls, lambda ids, sp: generate(roles, engines, ids, sp, None,
+                                                                      args.rollout_timeout),
+                              tokenizer, eval_prompts, n, args.eval_temperature, seeds)
+        rewards = torch.tensor([[e.reward for e in g] for g in groups])
+        length = sum(len(ids) for g in groups for e in g for ids, trainable, _ in e.segments if trainable)
+    else:
+        sampling = SamplingArgs(n=n, temperature=args.eval_temperature, max_new_tokens=args.generate_max_len)
+        groups = generate(roles, engines, [p["prompt_ids"] for p in eval_prompts], sampling, seeds,
+                          args.rollout_timeout)
+        rewards = compute_rewards(roles, reward_fn, reward_models, eval_prompts, groups, tokenizer)
+        length = sum(len(s.output_ids) for g in groups for s in g)
     return {"eval/pass@1": rewards.mean().item(), f"eval/pass@{n}": rewards.max(1).values.mean().item(),
-            "eval/response_length": sum(len(s.output_ids) for g in groups for s in g) / rewards.numel()}
+            "eval/response_length": length / rewards.numel()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -704,6 +943,7 @@ def main(args: Args):
 
         reward_fn = make_reward_fn(args.remote_rm_url, token=args.remote_rm_token, flag="--remote_rm_url")
         reward_fn([], [], [])  # an empty batch checks the URL and token (or the file) before any model starts
+    env_cls = load_env(args.agent_func_path) if args.agent_func_path else None
     n, per_step = args.n_samples_per_prompt, args.rollout_batch_size * args.n_samples_per_prompt
     total_steps = args.num_episodes * len(prompts) // args.rollout_batch_size
     if args.max_steps > 0:
@@ -736,11 +976,59 @@ def main(args: Args):
               f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
     logger = MetricsLogger(args.log, asdict(args), True)
     if eval_prompts and state["global_step"] == 0:
-        metrics = evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer)
+        metrics = evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer, env_cls)
         print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         logger.log(metrics, 0)
 
     sampling = SamplingArgs(n=n, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.generate_max_len)
+
+    def collect(start, version):
+        """Steps 1-2 from prompt position `start` with the engines holding policy `version`: sample prompts,
+        generate n responses (or episodes) each, reward them, refilling dropped groups. Runs on the driver, or
+        with --async_train in the rollout thread while the trainer updates on the previous step's samples."""
+        kept, dropped, rounds, position = [], [], 0, start
+        timing = {"time/generate": 0.0, "time/reward": 0.0}
+        while len(kept) < args.rollout_batch_size and rounds < max(1, args.dynamic_filtering_max_rounds):
+            need, rounds = args.rollout_batch_size - len(kept), rounds + 1
+            positions = range(position, position + need)
+            position += need
+            batch_prompts = [prompt_at(prompts, i, args.train.seed) for i in positions]
+            # a seed per prompt position: the same samples whatever the engine count or batching (resume is exact)
+            seeds = [args.train.seed * 1_000_003 + i for i in positions]
+            t0 = time.time()
+            if env_cls is not None:  # the environment rewards each episode as it runs
+                groups = run_episodes(args, env_cls, lambda ids, sp: generate(roles, engines, ids, sp, None,
+                                                                              args.rollout_timeout),
+                                      tokenizer, batch_prompts, n, args.temperature, seeds)
+                rewards = torch.tensor([[e.reward for e in g] for g in groups])
+                timing["time/generate"] += time.time() - t0
+            else:
+                groups = generate(roles, engines, [p["prompt_ids"] for p in batch_prompts], sampling, seeds,
+                                  args.rollout_timeout)
+                timing["time/generate"] += time.time() - t0
+                t0 = time.time()
+                rewards = compute_rewards(roles, reward_fn, reward_models, batch_prompts, groups, tokenizer)
+                timing["time/reward"] += time.time() - t0
+            for p, g, r in zip(batch_prompts, groups, rewards):
+                all_equal = bool((r == r[0]).all())
+                (dropped if args.dynamic_filtering and all_equal else kept).append((p, g, r))
+            if not args.dynamic_filtering:
+                break
+        kept += dropped[: args.rollout_batch_size - len(kept)]  # rounds ran out: equal-reward groups carry no signal
+        return {"kept": kept, "dropped": len(dropped), "rounds": rounds, "end": position, "version": version,
+                "timing": timing}
+
+    def finish_rollout(pending, step):
+        """The result of a rollout running in the rollout thread (its errors re-raised), within --rollout_timeout."""
+        try:
+            return pending.result(timeout=args.rollout_timeout)
+        except concurrent.futures.TimeoutError:
+            raise RoleFailed(f"vLLM engines (the rollout of step {step + 1} in the rollout thread): not finished "
+                             f"within {args.rollout_timeout:.0f} s (--rollout_timeout)") from None
+
+    # --async_train: one rollout runs ahead in this thread, on the weights of the update before the trainer's
+    rollout_thread = concurrent.futures.ThreadPoolExecutor(1, "rollout") if off_policy(args) else None
+    ready = None  # the next step's rollout, finished before the last weight sync
     bar = progress(range(state["global_step"], total_steps), desc="grpo", initial=state["global_step"],
                    total=total_steps)
     for step in bar:
@@ -751,42 +1039,35 @@ def main(args: Args):
             timing[f"time/{name}"] = timing.get(f"time/{name}", 0.0) + time.time() - t0
             phases.set_postfix_str(name)
 
-        # 1-2. sample prompts, generate n responses each, reward them (refilling dropped groups)
-        kept, dropped, rounds = [], [], 0
-        while len(kept) < args.rollout_batch_size and rounds < max(1, args.dynamic_filtering_max_rounds):
-            need, rounds = args.rollout_batch_size - len(kept), rounds + 1
-            positions = range(state["consumed_prompts"], state["consumed_prompts"] + need)
-            batch_prompts = [prompt_at(prompts, i, args.train.seed) for i in positions]
-            state["consumed_prompts"] += need
-            t0 = time.time()
-            # a seed per prompt position: the same samples whatever the engine count or batching (resume is exact)
-            groups = generate(roles, engines, batch_prompts, sampling,
-                              [args.train.seed * 1_000_003 + i for i in positions])
-            phase("generate", t0)
-            t0 = time.time()
-            rewards = compute_rewards(roles, reward_fn, reward_models, batch_prompts, groups, tokenizer)
-            phase("reward", t0)
-            for p, g, r in zip(batch_prompts, groups, rewards):
-                all_equal = bool((r == r[0]).all())
-                (dropped if args.dynamic_filtering and all_equal else kept).append((p, g, r))
-            if not args.dynamic_filtering:
-                break
-        kept += dropped[: args.rollout_batch_size - len(kept)]  # rounds ran out: equal-reward groups carry no signal
+        # 1-2. this step's prompts, n responses (episodes) each, rewards: collected now, or ahead in the rollout thread
+        t0 = time.time()
+        rollout = ready or collect(state["consumed_prompts"], state["global_step"])
+        phase("rollout_wait", t0)
+        timing.update(rollout["timing"])
+        state["consumed_prompts"] = rollout["end"]
+        pending = None
+        if rollout_thread is not None and step + 1 < total_steps:  # the engines keep these weights until it is done
+            pending = rollout_thread.submit(collect, rollout["end"], state["global_step"])
+        staleness = state["global_step"] - rollout["version"]  # policy updates since the weights that sampled it
         phases.update(2)
 
+        kept = rollout["kept"]
         raw_rewards = torch.stack([r for _, _, r in kept])
         samples = []
         for p, g, r in kept:
             for s, reward in zip(g, r.tolist()):
+                if isinstance(s, Episode):
+                    samples.append({**episode_sample(s, args.mask_truncated_responses), "reward": reward})
+                    continue
                 penalty = overlong_penalty(len(s.output_ids), args.generate_max_len, args.overlong_buffer_len,
                                            args.overlong_penalty_factor)
                 samples.append({"prompt_ids": p["prompt_ids"], "response_ids": list(s.output_ids),
                                 "vllm_logps": list(s.logprobs), "reward": reward - penalty,
                                 "masked": args.mask_truncated_responses and s.finish_reason == "length"})
 
-        # 3. log-probs before the update: policy (old, unless single_update) and reference, each rank its share
+        # 3. log-probs before the update: policy (old, unless single_update or off-policy) and reference
         t0 = time.time()
-        shard, policy_pass = per_step // world, not single_update(args)
+        shard, policy_pass = per_step // world, not single_update(args) and not off_policy(args)
         if policy_pass or args.init_kl_coef > 0:
             outs = roles.get([t.logprobs.remote(samples[r * shard : (r + 1) * shard], policy_pass)
                               for r, t in enumerate(trainers)])
@@ -796,16 +1077,15 @@ def main(args: Args):
                         s["old_logps"] = out["old_logps"][k]
                     if out["ref_logps"]:
                         s["ref_logps"] = out["ref_logps"][k]
+        if off_policy(args):  # the behaviour policy: the weights that sampled them, one update before the trainer's
+            for s in samples:
+                s["old_logps"] = s["vllm_logps"]
         phase("logprobs", t0)
         phases.update(1)
 
-        # 4. advantages (driver, over the whole rollout)
+        # 4. advantages (driver, over the whole rollout; only the model's tokens)
         rewards = torch.tensor([s["reward"] for s in samples]).clamp(*args.reward_clip_range).view(-1, n)
-        kl_in_reward = args.init_kl_coef > 0 and not args.use_kl_loss
-        kls = [args.init_kl_coef * approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]),
-                                             args.kl_estimator)
-               if kl_in_reward else torch.zeros(len(s["response_ids"])) for s in samples]
-        for s, a in zip(samples, compute_advantages(rewards, kls, args.advantage_estimator, args.gamma)):
+        for s, a in zip(samples, sample_advantages(samples, rewards, args)):
             s["advantages"] = a.tolist()
 
         # 5. policy update: epochs x optimizer steps, each step's samples split over the ranks
@@ -825,32 +1105,46 @@ def main(args: Args):
         phase("train", t0)
         phases.update(1)
 
-        # 6. push the new weights into every engine
+        # 6. push the new weights into every engine, once they have finished the rollout running ahead
         if args.vllm_enable_sleep:
             roles.get([e.wake_up.remote() for e in engines])
         t0 = time.time()
-        sync = roles.get([t.sync_weights.remote() for t in trainers])[0]
+        ready = pending and finish_rollout(pending, step + 1)
+        phase("rollout_wait", t0)
+        t0 = time.time()
+        sync = roles.get([t.sync_weights.remote() for t in trainers], args.rollout_timeout, "weight sync")[0]
         phase("sync", t0)
         phases.update(1)
         phases.close()
 
         # 7. log, evaluate, save
         state["global_step"] = global_step = step + 1
-        lengths = [len(s["response_ids"]) for s in samples]
+        model_tokens = [torch.tensor(s.get("trainable", [1] * len(s["response_ids"])), dtype=torch.bool)
+                        for s in samples]
+        lengths = [int(m.sum()) for m in model_tokens]  # the model's tokens (an episode's environment tokens apart)
+        vllm_diff = train_metrics.pop("vllm_logp_max_abs_diff")
         metrics = {"train/reward": raw_rewards.mean().item(), "train/reward_std": raw_rewards.std().item(),
                    "train/response_length": sum(lengths) / len(lengths),
                    "train/truncated": sum(s["masked"] for s in samples) / len(samples),
-                   "train/dropped_groups": len(dropped), "train/sampling_rounds": rounds,
-                   "check/vllm_logp_max_abs_diff": train_metrics.pop("vllm_logp_max_abs_diff"),
+                   "train/dropped_groups": rollout["dropped"], "train/sampling_rounds": rollout["rounds"],
+                   "async/policy_version": rollout["version"], "async/staleness": staleness,
                    "perf/sync_mb": sync["bytes"] / 2**20, "perf/samples_per_s": per_step / (time.time() - t_step),
                    **timing, **{f"train/{k}": v for k, v in train_metrics.items()}}
+        if not off_policy(args):  # the trainer's log-probs before the update vs vLLM's on the same weights
+            metrics["check/vllm_logp_max_abs_diff"] = vllm_diff
+        if env_cls is not None:
+            episodes = [e for _, g, _ in rollout["kept"] for e in g]
+            metrics.update({"train/episode_turns": sum(e.turns for e in episodes) / len(episodes),
+                            "train/episode_length": sum(len(e.tokens()) for e in episodes) / len(episodes),
+                            "train/episode_forks": sum(e.forks for e in episodes),
+                            "train/episode_rejects": sum(e.rejected for e in episodes)})
         if all("ref_logps" in s and "old_logps" in s for s in samples):
-            metrics["train/kl"] = (sum(approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]),
+            metrics["train/kl"] = (sum(approx_kl(torch.tensor(s["old_logps"])[m], torch.tensor(s["ref_logps"])[m],
                                                  "k1").sum().item()
-                                       for s in samples) / sum(lengths))
+                                       for s, m in zip(samples, model_tokens)) / sum(lengths))
         bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")
         if eval_prompts and eval_due(global_step, args.log.eval_steps, steps_per_episode, total_steps):
-            metrics.update(evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer))
+            metrics.update(evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer, env_cls))
             bar.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
                                                           if k.startswith(("eval/", "train/reward"))))
             if metrics["eval/pass@1"] > state["best_pass1"]:
@@ -861,6 +1155,8 @@ def main(args: Args):
         if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
             roles.get([t.save_checkpoint.remote(global_step, {"grpo_state": dict(state)}) for t in trainers])
 
+    if rollout_thread is not None:
+        rollout_thread.shutdown()
     roles.get([t.save_model.remote(args.ckpt.save_path) for t in trainers])
     print(f"saved {args.ckpt.save_path}")
     logger.close()

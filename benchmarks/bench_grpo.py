@@ -1,13 +1,16 @@
 """GRPO step time split by phase, and samples/s, through the real script (Ray driver, DeepSpeed
-trainer ranks, vLLM engines) on the built-in tiny models.
+trainer ranks, vLLM engines) on the built-in tiny models, synchronous and with --async_train.
 
-    python benchmarks/bench_grpo.py --models llama-0.5m llama-10m
+    python benchmarks/bench_grpo.py --models llama-0.5m llama-10m --modes sync async
 
-For each model: builds it (common/tiny.py) if missing, runs `algos/grpo.py` for --steps rollout
-steps on the reversal prompts, and prints the mean seconds of each phase (generate, reward,
-logprobs, train, sync) and samples/s over the steps after the first (start-up excluded). The
-untrained models mostly run to --generate_max_len. Run it
-on an idle machine: on CPU every role shares the cores.
+For each model and mode: builds the model (common/tiny.py) if missing, runs `algos/grpo.py` for
+--steps rollout steps on the reversal prompts, and prints the mean seconds of each phase (generate,
+reward, logprobs, train, sync; with --async_train generate and reward ran during the previous
+step's update), the driver's wait for the rollout, the step time, samples/s, and the idle fraction
+of the engine (1 - generate / step, at least 0) and of the trainer (1 - (logprobs + train + sync) / step), over
+the steps after the first (start-up excluded). The untrained models mostly run to
+--generate_max_len. Run it on an idle machine: on CPU every role shares the cores, so the phases
+that async overlaps also compete for them.
 """
 
 import json
@@ -23,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common.tiny import build_assets  # noqa: E402
 
-PHASES = ("generate", "reward", "logprobs", "train", "sync")
+PHASES = ("generate", "reward", "logprobs", "train", "sync", "rollout_wait")
 
 
 @dataclass
@@ -42,6 +45,8 @@ class Args:
     """Tokens per response."""
     trainer_ranks: int = 2
     """Trainer ranks (Ray actors)."""
+    modes: tuple[str, ...] = ("sync", "async")
+    """sync, and/or async (--async_train --max_staleness 1)."""
 
 
 def main(args: Args):
@@ -49,31 +54,37 @@ def main(args: Args):
     samples = args.rollout_batch_size * args.n_samples_per_prompt
     print(f"{samples} samples per step ({args.rollout_batch_size} prompts x {args.n_samples_per_prompt}), "
           f"{args.trainer_ranks} trainer ranks, 1 vLLM engine, responses <= {args.generate_max_len} tokens")
-    print(f"{'model':<12}" + "".join(f"{p + ' s':>11}" for p in PHASES) + f"{'step s':>9}{'samples/s':>11}")
+    print(f"{'model':<12}{'mode':<7}" + "".join(f"{p.replace('rollout_', '') + ' s':>11}" for p in PHASES)
+          + f"{'step s':>9}{'samples/s':>11}{'engine idle':>13}{'trainer idle':>14}")
     for model in args.models:
-        with tempfile.TemporaryDirectory() as tmp:
-            metrics_file = os.path.join(tmp, "metrics.jsonl")
-            cmd = [sys.executable, os.path.join(ROOT, "algos", "grpo.py"), "--pretrain",
-                   os.path.join(args.assets, model),
-                   "--prompt_data", os.path.join(args.assets, "data", "reverse", "rl_train.jsonl"),
-                   "--input_key", "prompt", "--label_key", "answer", "--apply_chat_template",
-                   "--remote_rm_url", os.path.join(ROOT, "launch", "rewards", "exact_match.py"),
-                   "--n_samples_per_prompt", str(args.n_samples_per_prompt),
-                   "--rollout_batch_size", str(args.rollout_batch_size), "--train_batch_size", str(samples),
-                   "--micro_train_batch_size", "16", "--micro_rollout_batch_size", "16",
-                   "--actor_num_gpus_per_node", str(args.trainer_ranks), "--prompt_max_len", "64",
-                   "--generate_max_len", str(args.generate_max_len), "--max_steps", str(args.steps),
-                   "--save_path", os.path.join(tmp, "out"), "--metrics_file", metrics_file]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                sys.exit(f"grpo.py failed for {model}:\n{proc.stderr[-3000:]}")
-            with open(metrics_file) as f:
-                steps = [m for m in map(json.loads, f) if "train/reward" in m][1:]
-        mean = {p: sum(m[f"time/{p}"] for m in steps) / len(steps) for p in PHASES}
-        step_s = sum(samples / m["perf/samples_per_s"] for m in steps) / len(steps)
-        print(
-            f"{model:<12}" + "".join(f"{mean[p]:>11.3f}" for p in PHASES) + f"{step_s:>9.2f}{samples / step_s:>11.1f}")
+        for mode in args.modes:
+            with tempfile.TemporaryDirectory() as tmp:
+                metrics_file = os.path.join(tmp, "metrics.jsonl")
+                cmd = [sys.executable, os.path.join(ROOT, "algos", "grpo.py"), "--pretrain",
+                       os.path.join(args.assets, model),
+                       "--prompt_data", os.path.join(args.assets, "data", "reverse", "rl_train.jsonl"),
+                       "--input_key", "prompt", "--label_key", "answer", "--apply_chat_template",
+                       "--remote_rm_url", os.path.join(ROOT, "launch", "rewards", "exact_match.py"),
+                       "--n_samples_per_prompt", str(args.n_samples_per_prompt),
+                       "--rollout_batch_size", str(args.rollout_batch_size), "--train_batch_size", str(samples),
+                       "--micro_train_batch_size", "16", "--micro_rollout_batch_size", "16",
+                       "--actor_num_gpus_per_node", str(args.trainer_ranks), "--prompt_max_len", "64",
+                       "--generate_max_len", str(args.generate_max_len), "--max_steps", str(args.steps),
+                       "--save_path", os.path.join(tmp, "out"), "--metrics_file", metrics_file]
+                if mode == "async":
+                    cmd += ["--async_train", "--max_staleness", "1"]
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+                proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    sys.exit(f"grpo.py failed for {model} ({mode}):\n{proc.stderr[-3000:]}")
+                with open(metrics_file) as f:
+                    steps = [m for m in map(json.loads, f) if "train/reward" in m][1:]
+            mean = {p: sum(m[f"time/{p}"] for m in steps) / len(steps) for p in PHASES}
+            step_s = sum(samples / m["perf/samples_per_s"] for m in steps) / len(steps)
+            engine_idle = max(0.0, 1 - mean["generate"] / step_s)  # async: generation slowed by the update it overlaps
+            trainer_idle = 1 - (mean["logprobs"] + mean["train"] + mean["sync"]) / step_s
+            print(f"{model:<12}{mode:<7}" + "".join(f"{mean[p]:>11.3f}" for p in PHASES)
+                  + f"{step_s:>9.2f}{samples / step_s:>11.1f}{engine_idle:>13.2f}{trainer_idle:>14.2f}")
 
 
 if __name__ == "__main__":

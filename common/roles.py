@@ -89,8 +89,9 @@ class Roles:
                 late = [name for name, ref in pings.items() if ref in pending]
                 raise RoleFailed(f"{', '.join(late)} did not start within {timeout_s:.0f} s")
 
-    def get(self, refs, timeout_s=None):
-        """ray.get(refs), but a failure of any role ends the wait at once with RoleFailed."""
+    def get(self, refs, timeout_s=None, waiting_on="an actor"):
+        """ray.get(refs), but a failure of any role ends the wait at once with RoleFailed, and so
+        does a wait past timeout_s (the error names `waiting_on`, the role that owes the answer)."""
         pending = list(refs) if isinstance(refs, list) else [refs]
         deadline = None if timeout_s is None else time.time() + timeout_s
         while pending:
@@ -99,7 +100,7 @@ class Roles:
             if pending:
                 self.check_alive()
                 if deadline is not None and time.time() > deadline:
-                    raise RoleFailed(f"no answer within {timeout_s:.0f} s")
+                    raise RoleFailed(f"{waiting_on}: no answer within {timeout_s:.0f} s")
         return ray.get(refs)
 
     def check_alive(self):

@@ -95,6 +95,19 @@ def write_prm_data(out_dir, n_train=3000, n_test=200, seed=0):
         write_jsonl(f"{d}/prm_soft_{split}.jsonl", soft)
 
 
+def write_lookup_data(out_dir, n_train=2000, n_test=200, seed=0):
+    """The built-in multi-turn task (environment: launch/agent_lookup.py) in out_dir/lookup/rl_{train,test}.jsonl:
+    {"prompt": "lookup: box 17", "letters": "c a d"}. The prompt names a box and nothing else; the environment
+    shows the box's letters only after the model's first turn, and the model must answer them reversed. The letter
+    strings are the reversal task's, distinct across both splits."""
+    test = task_rows("reverse", n_test, seed + 1)
+    train = task_rows("reverse", n_train, seed, exclude={p for p, _, _ in test})
+    for split, rows, first in (("train", train, 0), ("test", test, n_train)):
+        write_jsonl(f"{out_dir}/lookup/rl_{split}.jsonl",
+                    [{"prompt": f"lookup: box {first + i}", "letters": p[len("reverse: "):]}
+                     for i, (p, _, _) in enumerate(rows)])
+
+
 def task_rows(task, n, seed, exclude=()):
     """n distinct (prompt, answer, wrong) triples of `task`, skipping prompts in `exclude`."""
     rng, seen, rows = random.Random(seed), set(exclude), []
@@ -185,8 +198,8 @@ def build_model(name, tokenizer, seed=0):
 
 
 def build_assets(out_dir, models=tuple(MODEL_SIZES), tasks=tuple(TASKS)):
-    """Write models (out_dir/<name>) and data (out_dir/data/<task>/..., and the PRM data in
-    out_dir/data/count/); skip what exists."""
+    """Write models (out_dir/<name>) and data (out_dir/data/<task>/..., the PRM data in out_dir/data/count/, the
+    multi-turn task in out_dir/data/lookup/); skip what exists."""
     tokenizer = build_tokenizer()
     for name in models:
         path = os.path.join(out_dir, name)
@@ -198,6 +211,8 @@ def build_assets(out_dir, models=tuple(MODEL_SIZES), tasks=tuple(TASKS)):
             write_task_data(os.path.join(out_dir, "data"), task)
     if not os.path.exists(os.path.join(out_dir, "data", "count", "prm_soft_test.jsonl")):
         write_prm_data(os.path.join(out_dir, "data"))
+    if not os.path.exists(os.path.join(out_dir, "data", "lookup", "rl_test.jsonl")):
+        write_lookup_data(os.path.join(out_dir, "data"))
     return out_dir
 
 

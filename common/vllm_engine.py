@@ -262,12 +262,18 @@ def to_sampling_params(sampling: SamplingArgs, logprobs=True):
     )
 
 
-def vllm_generate(llm, prompt_ids, sampling: SamplingArgs, seeds=None):
-    """n samples for each tokenized prompt: a list (per prompt) of lists of Sample. `seeds`, one
-    per prompt, make each prompt's samples independent of batching and engine count."""
-    params = to_sampling_params(sampling)
+def vllm_generate(llm, prompt_ids, sampling, seeds=None):
+    """n samples for each tokenized prompt: a list (per prompt) of lists of Sample. `sampling` is
+    one SamplingArgs, or a list of them, one per prompt (each turn of an episode has its own token
+    budget). `seeds`, one per prompt, make each prompt's samples independent of batching and
+    engine count."""
+    if isinstance(sampling, list):
+        params = [to_sampling_params(s) for s in sampling]
+    else:
+        params = to_sampling_params(sampling)
     if seeds is not None:
-        params = [to_sampling_params(dataclasses.replace(sampling, seed=s)) for s in seeds]
+        per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(seeds)
+        params = [to_sampling_params(dataclasses.replace(p, seed=s)) for p, s in zip(per_prompt, seeds)]
     try:
         outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], params, use_tqdm=False)
     except Exception as e:
