@@ -51,9 +51,12 @@ from common.engine import (  # noqa: E402
     load_checkpoint, optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed,
     validate_common_args,
 )
-from common.packing import collate, one_row_per_batch, to_device, token_logps, unpack  # noqa: E402
+from common.packing import (  # noqa: E402
+    branch_source_logits, collate, one_row_per_batch, to_device, token_logps, unpack,
+)
 from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
+from common.varlen_attention import NAME as VARLEN_ATTENTION  # noqa: E402
 from common.vllm_engine import EngineArgs, SamplingArgs, default_max_num_seqs, resolve_max_model_len  # noqa: E402
 
 ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline")
@@ -424,10 +427,18 @@ def loss_mode(args):
     return "constant" if args.advantage_estimator == "dr_grpo" else args.loss_agg
 
 
-def token_entropy(logits):
+def token_entropy(logits, batch):
     """Entropy of each position's next-token distribution, aligned like common.packing.token_logps."""
-    logps = logits.float().log_softmax(-1)
-    return torch.nn.functional.pad(-(logps.exp() * logps).sum(-1), (1, 0))
+    def entropy(x):
+        logps = x.float().log_softmax(-1)
+        return -(logps.exp() * logps).sum(-1)
+
+    out = torch.nn.functional.pad(entropy(logits[:, :-1]), (1, 0))
+    branches = branch_source_logits(logits, batch)
+    if branches is not None:  # a branch's first token is predicted from its root's prompt (make_batch)
+        rows, tokens, source_logits = branches
+        out = out.index_put((rows, tokens), entropy(source_logits))
+    return out
 
 
 def off_policy(args):
@@ -467,7 +478,7 @@ def micro_batch_loss(model, batch, args, normaliser, scale=1.0):
         pieces["kl_loss"] = aggregate(kl, mask, batch["sample_index"], batch["num_samples"], mode)
         total = total + args.init_kl_coef * pieces["kl_loss"]
     with torch.set_grad_enabled(args.entropy_loss_coef > 0):
-        entropy = token_entropy(outputs.logits[:, :-1])
+        entropy = token_entropy(outputs.logits, batch)
         pieces["entropy"] = aggregate(entropy, mask, batch["sample_index"], batch["num_samples"], mode)
     if args.entropy_loss_coef > 0:
         total = total - args.entropy_loss_coef * pieces["entropy"]
@@ -489,14 +500,23 @@ def token_sample(s):
             "loss_mask": [0] * len(s["prompt_ids"]) + [0 if s.get("masked") else t for t in trainable]}
 
 
-def make_batch(samples, pad_id, max_tokens, one_row, values=()):
+def make_batch(samples, pad_id, max_tokens, one_row, values=(), share_prompt=False):
     """Collate samples (packed; one row with a per-sample attention kernel), and lay each named
-    per-response-token value out like the tokens."""
-    batch = collate([token_sample(s) for s in samples], pad_id, packing=True, max_tokens=max_tokens, one_row=one_row)
+    per-response-token value out like the tokens. With share_prompt (the CPU kernel), the samples of a
+    prompt after its first are branches of the first one's prompt: the row holds each prompt once.
+    `response_offsets[i]`: where sample i's response starts in its span (common.packing.unpack)."""
+    token_samples, first_of = [token_sample(s) for s in samples], {}
+    for i, s in enumerate(samples):
+        j = first_of.setdefault(tuple(s["prompt_ids"]), i)
+        if share_prompt and j != i and s["response_ids"]:
+            token_samples[i].update(prefix_of=j, prefix_len=len(s["prompt_ids"]))
+    batch = collate(token_samples, pad_id, packing=True, max_tokens=max_tokens, one_row=one_row,
+                    share_prefixes=share_prompt)
+    batch["response_offsets"] = [len(s["prompt_ids"]) - t.get("prefix_len", 0)
+                                 for s, t in zip(samples, token_samples)]
     for key in values:
         laid = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-        for s, (r, start, n) in zip(samples, batch["spans"]):
-            p = len(s["prompt_ids"])
+        for s, p, (r, start, n) in zip(samples, batch["response_offsets"], batch["spans"]):
             laid[r, start + p : start + n] = torch.as_tensor(s[key], dtype=torch.float32)
         batch[key] = laid
     return batch
@@ -536,6 +556,7 @@ class PolicyTrainer:
         ds_config = deepspeed_config(args.train, self.world)
         model = load_causal_lm(args.model, ds_config)
         self.one_row = one_row_per_batch(model.config._attn_implementation)
+        self.share_prompt = model.config._attn_implementation == VARLEN_ATTENTION  # the kernel reads branches
         self.engine = create_train_engine(model, args.train, ds_config, num_training_steps)
         self.ref = None
         if args.init_kl_coef > 0:  # coefficient 0: no reference model at all
@@ -566,12 +587,13 @@ class PolicyTrainer:
         micro, max_tokens = self.args.micro_rollout_batch_size, self.max_tokens(samples)
         for start in range(0, len(samples), micro):
             chunk = samples[start : start + micro]
-            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.one_row), device())
+            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.one_row, share_prompt=self.share_prompt),
+                              device())
             for key, model in (("old_logps", self.engine if policy else None), ("ref_logps", self.ref)):
                 if model is None:
                     continue
                 logps, _ = token_logps(model, batch)
-                out[key] += [t[len(s["prompt_ids"]):].cpu().tolist() for s, t in zip(chunk, unpack(logps, batch))]
+                out[key] += [t[p:].cpu().tolist() for p, t in zip(batch["response_offsets"], unpack(logps, batch))]
         self.engine.train()
         return out
 
@@ -591,8 +613,8 @@ class PolicyTrainer:
         totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
         for samples in steps:
             max_tokens = self.max_tokens(samples)
-            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, max_tokens, self.one_row, values),
-                                 device())
+            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, max_tokens, self.one_row, values,
+                                            self.share_prompt), device())
                        for i in range(0, len(samples), micro)]
             tokens, sequences = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in batches),
                                                 sum(not s.get("masked") for s in samples)])

@@ -132,14 +132,25 @@ def token_logps(model, batch, return_argmax=False):
     starts = batch["position_ids"] == 0  # a sample's first token is not predicted from inside the sample
     logps = F.pad(logps, (1, 0)).masked_fill(starts, 0.0)
     hits = F.pad(logits.argmax(-1) == targets, (1, 0)) & ~starts if return_argmax else None
-    if batch.get("branch_starts"):  # a shared-prefix branch's first token: predicted from its root's prefix
-        rows, tokens, sources = torch.tensor(batch["branch_starts"], device=logps.device).unbind(1)
-        source_logits, branch_targets = outputs.logits[rows, sources].float(), batch["input_ids"][rows, tokens]
+    branches = branch_source_logits(outputs.logits, batch)
+    if branches is not None:  # a shared-prefix branch's first token: predicted from its root's prefix
+        rows, tokens, source_logits = branches
+        branch_targets = batch["input_ids"][rows, tokens]
         values = source_logits.gather(-1, branch_targets[:, None]).squeeze(-1) - torch.logsumexp(source_logits, -1)
         logps = logps.index_put((rows, tokens), values)
         if return_argmax:
             hits = hits.index_put((rows, tokens), source_logits.argmax(-1) == branch_targets)
     return (logps, outputs, hits) if return_argmax else (logps, outputs)
+
+
+def branch_source_logits(logits, batch):
+    """(rows, tokens, logits (n, vocab) in float32) for the first token of each shared-prefix branch of the
+    batch (collate's share_prefixes), whose prediction sits at its root's token s - 1 rather than at the
+    token before it in the row; None without branches."""
+    if not batch.get("branch_starts"):
+        return None
+    rows, tokens, sources = torch.tensor(batch["branch_starts"], device=logits.device).unbind(1)
+    return rows, tokens, logits[rows, sources].float()
 
 
 def per_sample_sum(values, batch):

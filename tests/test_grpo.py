@@ -152,6 +152,49 @@ def test_skipped_old_logprob_pass_equals_the_plain_path(assets):
     assert plain_metrics["vllm_logp_max_abs_diff"] > 0.1  # made-up vLLM log-probs: the check sees the gap
 
 
+def test_shared_prompt_batch_equals_whole_samples(assets):
+    """The CPU kernel's layout: a group's samples after its first are branches of its prompt (each prompt once
+    in the row). Loss (with KL and entropy terms), every metric and the gradients equal those of whole samples
+    (1e-5, fp32), and the log-probs the trainer hands back per response token are the same."""
+    from transformers import AutoModelForCausalLM
+
+    from common.varlen_attention import NAME
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m", dtype=torch.float32, attn_implementation=NAME)
+    args = dataclasses.replace(grpo.Args(), use_kl_loss=True, init_kl_coef=0.1, kl_estimator="k3",
+                               entropy_loss_coef=0.01, generate_max_len=16)
+    samples = []
+    for g in range(3):  # 3 prompts x 4 samples, one of them with an empty response (it stays a sample of its own)
+        prompt = [3] + [20 + (g * k) % 200 for k in range(4 + 3 * g)]
+        for i in range(4):
+            n = 0 if (g, i) == (1, 2) else 1 + (3 * i + g) % 7
+            samples.append({"prompt_ids": prompt, "response_ids": [30 + (i * k + g) % 50 for k in range(n)],
+                            "advantages": torch.randn(n).tolist(), "old_logps": (-torch.rand(n) * 3).tolist(),
+                            "ref_logps": (-torch.rand(n) * 3).tolist(), "vllm_logps": (-torch.rand(n)).tolist()})
+    values = ["advantages", "old_logps", "vllm_logps", "ref_logps"]
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        batch = grpo.make_batch(samples, 0, 256, True, values, share_prompt=share)
+        loss, metrics = grpo.micro_batch_loss(model, batch, args, 30.0)
+        loss.backward()
+        with torch.no_grad():
+            logps, _ = grpo.token_logps(model, batch)
+        per_response = [t[p:] for p, t in zip(batch["response_offsets"], grpo.unpack(logps, batch))]
+        results.append((batch["input_ids"].numel(), loss.item(), metrics, per_response,
+                        torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (whole_tokens, whole_loss, whole_metrics, whole_logps, whole_grad), (tokens, loss, metrics, logps, grad) = results
+    branches = [s for i, s in enumerate(samples) if i % 4 and s["response_ids"]]  # not a group's first, not empty
+    assert len(branches) == 8 and tokens == whole_tokens - sum(len(s["prompt_ids"]) for s in branches)
+    assert abs(loss - whole_loss) <= 1e-5 and whole_grad.abs().max().item() > 1e-4
+    assert (grad - whole_grad).abs().max().item() <= 1e-5 * whole_grad.abs().max().item()
+    for key in whole_metrics:  # sums over tokens: relative
+        assert abs(metrics[key] - whole_metrics[key]) <= 1e-5 * max(1.0, abs(whole_metrics[key])), key
+    for a, b in zip(logps, whole_logps):
+        assert a.shape == b.shape and ((a - b).abs() <= 1e-5).all()
+
+
 # ----------------------------------------------------------------------------------------------
 # End to end: python algos/grpo.py (Ray driver) with 2 trainer ranks and one vLLM engine
 # ----------------------------------------------------------------------------------------------
