@@ -55,7 +55,7 @@ from common.packing import (  # noqa: E402
     branch_source_logits, collate, one_row_per_batch, to_device, token_logps, unpack,
 )
 from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
-from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
+from common.tracking import LogArgs, MetricsLogger, eval_due, exit_with_error, progress  # noqa: E402
 from common.varlen_attention import NAME as VARLEN_ATTENTION  # noqa: E402
 from common.vllm_engine import EngineArgs, SamplingArgs, default_max_num_seqs, resolve_max_model_len  # noqa: E402
 
@@ -1194,7 +1194,7 @@ if __name__ == "__main__":
     try:
         main(parsed)
     except ValueError as e:  # data mistakes found before training
-        sys.exit(f"error: {e}")
+        exit_with_error(e)
     except RoleFailed as e:  # a role died, raised or did not start: named, with its root cause
-        sys.exit(f"error: {e}")
+        exit_with_error(e)
     finish()  # exit without interpreter teardown (see common.engine.finish)

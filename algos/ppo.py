@@ -51,7 +51,7 @@ from common.rl import (  # noqa: E402
     start_ray, trainer_bundles, validate_rollout_args, weight_sync,
 )
 from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
-from common.tracking import MetricsLogger, eval_due, progress  # noqa: E402
+from common.tracking import MetricsLogger, eval_due, exit_with_error, progress  # noqa: E402
 from common.vllm_engine import SamplingArgs, default_max_num_seqs  # noqa: E402
 
 
@@ -892,5 +892,5 @@ if __name__ == "__main__":
     try:
         main(parsed)
     except (ValueError, RoleFailed) as e:  # data mistakes found before training; a role that died, raised or
-        sys.exit(f"error: {e}")  # did not start, named with its root cause
+        exit_with_error(e)  # did not start, named with its root cause
     finish()  # exit without interpreter teardown (see common.engine.finish)

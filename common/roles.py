@@ -68,13 +68,28 @@ class Roles:
         return self._by_actor_id.get(actor_id, "an actor")
 
     def _raise_failures(self, done, starting=False):
-        """RoleFailed for the first of these finished refs that holds an error."""
+        """RoleFailed for the first of these finished refs that holds an error. A role that raised (a
+        collective's "Connection reset", say) often did so because another role's process died: then
+        the dead role is named first, as the root cause."""
         for ref in done:
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as e:
                 state = "failed to start" if starting else "failed"
-                raise RoleFailed(f"{self._name_of(e)} {state}: {root_cause(e)}") from None
+                message = f"{self._name_of(e)} {state}: {root_cause(e)}"
+                dead = None if isinstance(e, ray.exceptions.RayActorError) else self._dead_role()
+                raise RoleFailed(f"{dead}; then {message}" if dead else message) from None
+
+    def _dead_role(self, timeout_s=10.0):
+        """'<role> failed: <why its process died>' for a role whose process has died, else None."""
+        pings = {h.ping.options(concurrency_group=HEALTH).remote(): name for name, h in self.handles.items()}
+        done, _ = ray.wait(list(pings), num_returns=len(pings), timeout=timeout_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                return f"{pings[ref]} failed: {root_cause(e)}"
+        return None
 
     def ready(self, timeout_s):
         """Wait until every actor's constructor has returned (models loaded, engines started)."""

@@ -3,6 +3,7 @@ Weights & Biases (offline mode works: WANDB_MODE=offline); tqdm bars on rank 0 o
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -75,3 +76,10 @@ def eval_due(step, eval_steps, steps_per_epoch, total_steps):
 def progress(iterable=None, rank0=True, **kwargs):
     """tqdm on rank 0, a silent pass-through elsewhere."""
     return tqdm(iterable, disable=not rank0, dynamic_ncols=True, **kwargs)
+
+
+def exit_with_error(error):
+    """Exit 1 with `error: <error>` on a line of its own: below any progress bar still drawn, which a plain
+    print would run into."""
+    tqdm.write(f"error: {error}", file=sys.stderr)
+    sys.exit(1)
