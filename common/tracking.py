@@ -79,7 +79,10 @@ def progress(iterable=None, rank0=True, **kwargs):
 
 
 def exit_with_error(error):
-    """Exit 1 with `error: <error>` on a line of its own: below any progress bar still drawn, which a plain
-    print would run into."""
-    tqdm.write(f"error: {error}", file=sys.stderr)
+    """Exit 1 with `error: <error>` on a line of its own: progress bars still drawn are closed first, and the
+    line starts after a newline (closing a nested bar leaves the cursor up on the outer bar's line)."""
+    bars = list(getattr(tqdm, "_instances", ()))
+    for bar in bars:
+        bar.close()
+    print(("\n" if bars else "") + f"error: {error}", file=sys.stderr)
     sys.exit(1)
