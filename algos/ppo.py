@@ -24,6 +24,7 @@ learning rate defaults to grpo.py's 1e-6; log-probs are of the untempered policy
 log-probs of the sampled tokens are checked against the trainer's every step.
 """
 
+import concurrent.futures
 import dataclasses
 import math
 import os
@@ -43,16 +44,18 @@ from common.engine import (  # noqa: E402
     deepspeed_config, deepspeed_eval_config, device, finish, hold_ckpt_path, load_causal_lm, load_checkpoint,
     optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, validate_common_args,
 )
+from common.episodes import AgentArgs  # noqa: E402
 from common.packing import collate, one_row_per_batch, to_device, token_logps, unpack  # noqa: E402
 from common.reward import unwrap  # noqa: E402
 from common.rl import (  # noqa: E402
-    RewardModels, RolloutEngineArgs, RolloutLogArgs, evaluate, join_group, load_prompts, make_batch, prompt_at,
-    reference_args, rendezvous_address, reward_function, rollout_steps, sample_rollout, split_steps, start_group,
+    AsyncArgs, RewardModels, RolloutEngineArgs, RolloutLogArgs, collect_rollout, environment, evaluate,
+    finish_rollout, join_group, load_prompts, make_batch, model_tokens, off_policy, prompt_at, reference_args,
+    rendezvous_address, reward_function, rollout_metrics, rollout_samples, rollout_steps, split_steps, start_group,
     start_ray, trainer_bundles, validate_rollout_args, weight_sync,
 )
 from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.tracking import MetricsLogger, eval_due, exit_with_error, progress  # noqa: E402
-from common.vllm_engine import SamplingArgs, default_max_num_seqs  # noqa: E402
+from common.vllm_engine import default_max_num_seqs  # noqa: E402
 
 
 @dataclass
@@ -76,6 +79,8 @@ class Args:
     engine: RolloutEngineArgs = field(default_factory=RolloutEngineArgs)
     ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
     log: RolloutLogArgs = field(default_factory=RolloutLogArgs)
+    agent: AgentArgs = field(default_factory=AgentArgs)  # multi-turn environments (common/episodes.py)
+    async_rollout: AsyncArgs = field(default_factory=AsyncArgs)  # the rollout one step ahead, and its bound
     # -- the critic
     critic_pretrain: Optional[str] = None
     """Critic start point (default: the first --reward_pretrain if given, else --pretrain; the log says which).
@@ -310,9 +315,9 @@ def token_rewards(reward, kl, mask):
     """Per-token rewards: -beta x KL_t (kl already scaled) on the model's tokens, plus the scalar reward on the
     last model token (the last token of the response may be someone else's)."""
     out = -kl.float() * mask
-    model_tokens = mask.nonzero()
-    if len(model_tokens):
-        out[model_tokens[-1, 0]] += reward
+    own = mask.nonzero()
+    if len(own):
+        out[own[-1, 0]] += reward
     return out
 
 
@@ -395,7 +400,10 @@ def token_entropy(logits):
 
 def single_update(args):
     """Each rollout feeds exactly one optimizer step and no KL goes into the reward: the actor's log-probs
-    before the update are the update's own (ratio 1), so that forward is skipped."""
+    before the update are the update's own (ratio 1), so that forward is skipped. Never off-policy (there
+    the old policy is vLLM's)."""
+    if off_policy(args):
+        return False
     samples = args.rollout_batch_size * args.n_samples_per_prompt
     one_step = args.train.max_epochs == 1 and samples == args.train.train_batch_size
     return one_step and not (args.init_kl_coef > 0 and not args.use_kl_loss)
@@ -727,10 +735,11 @@ def main(args: Args):
     prompts = load_prompts(args.prompt_data, args.prompt_split, args, tokenizer, args.max_samples)
     eval_prompts = args.eval_dataset and load_prompts(args.eval_dataset, args.eval_split, args, tokenizer, 10**9)
     ptx = load_ptx(args, tokenizer) if args.pretrain_data else None
-    reward_fn = reward_function(args)
-    n, per_step = args.n_samples_per_prompt, args.rollout_batch_size * args.n_samples_per_prompt
+    reward_fn, env_cls = reward_function(args), environment(args)
+    per_step = args.rollout_batch_size * args.n_samples_per_prompt
     total_steps, steps_per_episode = rollout_steps(args, len(prompts))
     updates_per_rollout = per_step // args.train.train_batch_size * args.train.max_epochs
+    timeout_s = args.async_rollout.rollout_timeout
     print(critic_source(args))
 
     start_ray(args, 2 * (2 * world + critic_world) + args.vllm_num_engines + 1, ROOT)
@@ -756,11 +765,17 @@ def main(args: Args):
               f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
     logger = MetricsLogger(args.log, asdict(args), True)
     if eval_prompts and state["global_step"] == 0:
-        metrics = evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer)
+        metrics = evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer, env_cls)
         print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         logger.log(metrics, 0)
 
-    sampling = SamplingArgs(n=n, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.generate_max_len)
+    def collect(start, version):  # steps 1-2: prompts, n responses (episodes) each, rewards
+        return collect_rollout(args, roles, engines, prompts, start, version, reward_fn, reward_models, tokenizer,
+                               env_cls)
+
+    # --async_train: one rollout runs ahead in this thread, on the weights of the update before the actor's
+    rollout_thread = concurrent.futures.ThreadPoolExecutor(1, "rollout") if off_policy(args) else None
+    ready = None  # the next step's rollout, finished before the last weight sync
     bar = progress(range(state["global_step"], total_steps), desc="ppo", initial=state["global_step"],
                    total=total_steps)
     for step in bar:
@@ -772,15 +787,22 @@ def main(args: Args):
             timing[f"time/{name}"] = timing.get(f"time/{name}", 0.0) + time.time() - t0
             phases.set_postfix_str(name)
 
-        # 1-2. sample prompts, generate n responses each, reward them (refilling dropped groups)
-        samples, raw_rewards, dropped, rounds = sample_rollout(args, roles, engines, prompts, state, sampling,
-                                                               reward_fn, reward_models, tokenizer, phase)
+        # 1-2. this step's prompts, n responses (episodes) each, rewards: collected now, or ahead in the rollout thread
+        t0 = time.time()
+        rollout = ready or collect(state["consumed_prompts"], state["global_step"])
+        phase("rollout_wait", t0)
+        state["consumed_prompts"] = rollout["end"]
+        pending = None
+        if rollout_thread is not None and step + 1 < total_steps:  # the engines keep these weights until it is done
+            pending = rollout_thread.submit(collect, rollout["end"], state["global_step"])
+        samples, raw_rewards = rollout_samples(rollout, args)
         phases.update(2)
 
         # 3. before the update, side by side, each group its contiguous shard: actor log-probs (unless
-        # single_update makes them the update's own), reference log-probs, critic values
+        # single_update makes them the update's own, or off-policy vLLM's are the old policy), reference
+        # log-probs, critic values
         t0 = time.time()
-        policy_pass = not single_update(args)
+        policy_pass = not single_update(args) and not off_policy(args)
 
         def each_rank(members, method):
             shard = per_step // max(len(members), 1)
@@ -791,6 +813,9 @@ def main(args: Args):
         for key, refs in jobs.items():
             for s, v in zip(samples, [x for shard in roles.get(refs) for x in shard]):
                 s[key] = v
+        if off_policy(args):  # the behaviour policy: the weights that sampled them, one update before the actor's
+            for s in samples:
+                s["old_logps"] = s["vllm_logps"]
         phase("logprobs_values", t0)
         phases.update(1)
 
@@ -800,7 +825,8 @@ def main(args: Args):
         kls = [args.init_kl_coef * approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]),
                                              args.kl_estimator)
                if kl_in_reward else torch.zeros(len(s["response_ids"])) for s in samples]
-        masks = [torch.full((len(s["response_ids"]),), 0.0 if s["masked"] else 1.0) for s in samples]
+        # GAE runs over the model's own tokens: an episode's environment tokens are not steps
+        masks = [model_tokens(s).float() * (0.0 if s["masked"] else 1.0) for s in samples]
         values = [torch.tensor(s["values"]) for s in samples]
         advantages, returns = advantages_and_returns(rewards, kls, values, masks, args.gamma, args.lambd,
                                                      args.lambd_critic)
@@ -830,20 +856,20 @@ def main(args: Args):
         if args.vllm_enable_sleep:
             roles.get([e.wake_up.remote() for e in engines])
         t0 = time.time()
-        sync = roles.get([t.sync_weights.remote() for t in trainers])[0] if not actor_frozen else {"bytes": 0}
+        ready = pending and finish_rollout(pending, step + 1, timeout_s)
+        phase("rollout_wait", t0)
+        t0 = time.time()
+        sync = (roles.get([t.sync_weights.remote() for t in trainers], timeout_s, "weight sync")[0]
+                if not actor_frozen else {"bytes": 0})
         phase("sync", t0)
         phases.update(1)
         phases.close()
 
         # 7. log, evaluate, save
         state["global_step"] = global_step = step + 1
-        lengths = [len(s["response_ids"]) for s in samples]
         timing["time/critic_train"] = critic_metrics.pop("time_s")
         critic_metrics.pop("vllm_logp_max_abs_diff")
-        metrics = {"train/reward": raw_rewards.mean().item(), "train/reward_std": raw_rewards.std().item(),
-                   "train/response_length": sum(lengths) / len(lengths),
-                   "train/truncated": sum(s["masked"] for s in samples) / len(samples),
-                   "train/dropped_groups": dropped, "train/sampling_rounds": rounds,
+        metrics = {**rollout_metrics(rollout, samples, raw_rewards, step),
                    "train/actor_frozen": float(actor_frozen),
                    "train/advantage_abs": mean(torch.cat(advantages)[flat_mask].abs()),
                    "critic/explained_variance": explained_variance(flat_values, flat_returns),
@@ -852,18 +878,22 @@ def main(args: Args):
                    **{f"critic/{k}": v for k, v in critic_metrics.items()}}
         if actor_metrics:
             timing["time/actor_train"] = actor_metrics.pop("time_s")
-            metrics["check/vllm_logp_max_abs_diff"] = actor_metrics.pop("vllm_logp_max_abs_diff")
+            vllm_diff = actor_metrics.pop("vllm_logp_max_abs_diff")
+            if not off_policy(args):  # the actor's log-probs before the update vs vLLM's on the same weights
+                metrics["check/vllm_logp_max_abs_diff"] = vllm_diff
             metrics.update({f"train/{k}": v for k, v in actor_metrics.items()})
         elif policy_pass:  # a frozen actor still had its log-probs computed: the engines must match them
             metrics["check/vllm_logp_max_abs_diff"] = max(
                 (torch.tensor(s["old_logps"]) - torch.tensor(s["vllm_logps"])).abs().max().item() for s in samples)
         metrics.update(timing)
         if references and policy_pass:
-            metrics["train/kl"] = sum(approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]),
-                                                "k1").sum().item() for s in samples) / sum(lengths)
+            own = [model_tokens(s) for s in samples]
+            metrics["train/kl"] = sum(approx_kl(torch.tensor(s["old_logps"])[m], torch.tensor(s["ref_logps"])[m],
+                                                "k1").sum().item() for s, m in zip(samples, own)) / sum(
+                                                    int(m.sum()) for m in own)
         bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", ev=f"{metrics['critic/explained_variance']:.2f}")
         if eval_prompts and eval_due(global_step, args.log.eval_steps, steps_per_episode, total_steps):
-            metrics.update(evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer))
+            metrics.update(evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer, env_cls))
             bar.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
                                                           if k.startswith(("eval/", "train/reward", "critic/exp"))))
             if metrics["eval/pass@1"] > state["best_pass1"]:
@@ -876,6 +906,8 @@ def main(args: Args):
             roles.get([c.save_checkpoint.remote(global_step, {"ppo_state": dict(state)}) for c in critics])
             roles.get([t.save_checkpoint.remote(global_step, {"ppo_state": dict(state)}) for t in trainers])
 
+    if rollout_thread is not None:
+        rollout_thread.shutdown()
     roles.get([t.save_model.remote(args.ckpt.save_path) for t in trainers])
     roles.get([c.save_model.remote(os.path.join(args.ckpt.save_path, "critic")) for c in critics])
     print(f"saved {args.ckpt.save_path} (critic: {os.path.join(args.ckpt.save_path, 'critic')})")

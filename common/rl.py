@@ -1,10 +1,12 @@
 """What the Ray RL drivers (ppo.py, grpo.py) share and is no algorithm: prompts, Ray start-up and
-placement, rollouts with vLLM, rewards, evaluation, and the packed batches of samples. The
-advantages and losses stay in each script.
+placement, rollouts with vLLM (single-turn samples or multi-turn episodes, synchronous or one step
+ahead), rewards, evaluation, and the packed batches of samples. The advantages and losses stay in
+each script.
 
 Every function takes the script's own `args` and reads the flags both scripts name the same way.
 """
 
+import concurrent.futures
 import math
 import os
 import socket
@@ -17,7 +19,9 @@ import tyro
 
 from common.data import BadRow, format_prompt, load_one, validate_prompt_args
 from common.engine import ModelArgs, init_distributed, set_seed
+from common.episodes import Episode, episode_sample, load_env, run_episodes, validate_agent_args
 from common.packing import collate
+from common.roles import RoleFailed
 from common.tracking import LogArgs
 from common.vllm_engine import EngineArgs, SamplingArgs, resolve_max_model_len
 
@@ -41,6 +45,25 @@ class RolloutLogArgs(LogArgs):
     and after the last rollout step."""
 
 
+@dataclass
+class AsyncArgs:
+    async_train: bool = False
+    """Generate the next step's samples while the trainer updates on this step's (one step off-policy)."""
+    max_staleness: int = 1
+    """With --async_train: the most policy updates between the weights that generated a sample and the update that
+    trains on it (0: no overlap, the synchronous run). One rollout runs ahead, so any K >= 1 trains one update
+    off-policy, with vLLM's log-probs as the old policy."""
+    rollout_timeout: float = 1800.0
+    """Seconds the driver waits for a step's rollout (engines, environment, rewards), and for the engines to finish
+    it before a weight sync; then it stops naming who is late."""
+
+
+def off_policy(args):
+    """--async_train with --max_staleness > 0: samples come from the weights one update before the
+    trainer's, and vLLM's log-probs of them (the behaviour policy) are the old policy of the clip."""
+    return args.async_rollout.async_train and args.async_rollout.max_staleness > 0
+
+
 def validate_rollout_args(args, world, script):
     """The checks of the flags every RL driver shares (world: actor trainer ranks); fills --max_model_len."""
     if args.model.aux_loss_coef > 0:
@@ -55,17 +78,22 @@ def validate_rollout_args(args, world, script):
     if rollout % (args.micro_rollout_batch_size * world):
         raise ValueError(f"{rollout} samples per rollout must be a multiple of --micro_rollout_batch_size "
                          f"{args.micro_rollout_batch_size} x {world} trainer ranks")
-    if not (args.remote_rm_url or args.reward_pretrain):
-        raise ValueError("no reward: give --remote_rm_url (a .py reward file or an HTTP URL) and/or --reward_pretrain")
+    if args.agent.agent_func_path:
+        validate_agent_args(args)
+    elif not (args.remote_rm_url or args.reward_pretrain):
+        raise ValueError("no reward: give --remote_rm_url (a .py reward file or an HTTP URL), --reward_pretrain, "
+                         "or an environment (--agent_func_path)")
     if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
         from common.remote_reward import load_reward_func
 
         # a missing file or function fails now, not after the models load
         load_reward_func(args.remote_rm_url, "--remote_rm_url")
-    needed = args.prompt_max_len + args.generate_max_len
+    needed = max(args.prompt_max_len + args.generate_max_len, args.agent.max_episode_tokens or 0)
     if args.engine.max_model_len is not None and args.engine.max_model_len < needed:
         raise ValueError(f"--max_model_len {args.engine.max_model_len} must be >= --prompt_max_len "
-                         f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len}")
+                         f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len}"
+                         + (f" and >= --max_episode_tokens {args.agent.max_episode_tokens}"
+                            if args.agent.agent_func_path else ""))
     args.engine.max_model_len = resolve_max_model_len(args.model.pretrain, args.engine.max_model_len, needed)
     if args.use_kl_loss and args.init_kl_coef <= 0:
         raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
@@ -78,6 +106,20 @@ def validate_rollout_args(args, world, script):
                          f"x --vllm_tensor_parallel_size must equal {world} trainer ranks")
     if args.vllm_enable_sleep and not args.colocate_all_models:
         raise ValueError("--vllm_enable_sleep only helps with --colocate_all_models")
+    overlap = args.async_rollout
+    if overlap.max_staleness < 0:
+        raise ValueError(f"--max_staleness must be >= 0, got {overlap.max_staleness}")
+    if overlap.async_train and args.vllm_enable_sleep:
+        raise ValueError("--async_train generates while the trainer updates: the engines cannot sleep "
+                         "(drop --vllm_enable_sleep)")
+    if off_policy(args):  # samples one update old: the clip is the trust region that keeps that stable
+        eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
+        if not (0 < eps_low < 1 and 0 < eps_high < 1):
+            raise ValueError(f"--async_train with --max_staleness {overlap.max_staleness} needs a clipped ratio: "
+                             f"--eps_clip / --eps_clip_low_high bounds in (0, 1), got {eps_low}, {eps_high}")
+        if args.vllm_is_truncation > 0:
+            raise ValueError("--vllm_is_truncation with --async_train --max_staleness > 0: the old policy is already "
+                             "vLLM's (the ratio p_trainer / p_vllm is the clipped PPO ratio)")
     validate_prompt_args(args.input_template, args.apply_chat_template)
 
 
@@ -106,7 +148,7 @@ def load_prompts(spec, split, args, tokenizer, max_samples):
                 raise ValueError(f"{spec}: row {i}: {e}") from None
             skipped += 1
             continue
-        prompts.append({"prompt_text": text, "prompt_ids": ids,
+        prompts.append({"prompt_text": text, "prompt_ids": ids, "raw": row[args.input_key],
                         "label": row[args.label_key] if args.label_key else None})
     if not prompts:
         raise ValueError(f"{spec}: no usable prompts ({len(raw)} rows, {skipped} skipped)")
@@ -230,19 +272,34 @@ def start_group(roles, members, *setup_args):
 # Samples: a response with its prompt, made into collated batches with per-token values
 # ----------------------------------------------------------------------------------------------
 def token_sample(s):
-    """The input_ids/loss_mask dict collate() packs: loss on the response tokens (none if masked)."""
+    """The input_ids/loss_mask dict collate() packs: loss on the response tokens the model wrote (an episode's
+    environment tokens are not trainable), none if masked."""
     return {"input_ids": s["prompt_ids"] + s["response_ids"],
-            "loss_mask": [0] * len(s["prompt_ids"]) + [0 if s.get("masked") else 1] * len(s["response_ids"])}
+            "loss_mask": [0] * len(s["prompt_ids"]) + [0 if s.get("masked") else int(t) for t in model_tokens(s)]}
 
 
-def make_batch(samples, pad_id, max_tokens, one_row, values=()):
+def model_tokens(s):
+    """Which response tokens the model wrote (bool): all of a single-turn response, an episode's own turns."""
+    return torch.tensor(s.get("trainable", [1] * len(s["response_ids"])), dtype=torch.bool)
+
+
+def make_batch(samples, pad_id, max_tokens, one_row, values=(), share_prompt=False):
     """Collate samples (packed; one row with a per-sample attention kernel), and lay each named
-    per-response-token value out like the tokens."""
-    batch = collate([token_sample(s) for s in samples], pad_id, packing=True, max_tokens=max_tokens, one_row=one_row)
+    per-response-token value out like the tokens. With share_prompt (the CPU kernel), the samples of a
+    prompt after its first are branches of the first one's prompt: the row holds each prompt once.
+    `response_offsets[i]`: where sample i's response starts in its span (common.packing.unpack)."""
+    token_samples, first_of = [token_sample(s) for s in samples], {}
+    for i, s in enumerate(samples):
+        j = first_of.setdefault(tuple(s["prompt_ids"]), i)
+        if share_prompt and j != i and s["response_ids"]:
+            token_samples[i].update(prefix_of=j, prefix_len=len(s["prompt_ids"]))
+    batch = collate(token_samples, pad_id, packing=True, max_tokens=max_tokens, one_row=one_row,
+                    share_prefixes=share_prompt)
+    batch["response_offsets"] = [len(s["prompt_ids"]) - t.get("prefix_len", 0)
+                                 for s, t in zip(samples, token_samples)]
     for key in values:
         laid = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-        for s, (r, start, n) in zip(samples, batch["spans"]):
-            p = len(s["prompt_ids"])
+        for s, p, (r, start, n) in zip(samples, batch["response_offsets"], batch["spans"]):
             laid[r, start + p : start + n] = torch.as_tensor(s[key], dtype=torch.float32)
         batch[key] = laid
     return batch
@@ -278,13 +335,15 @@ def reward_function(args):
     return reward_fn
 
 
-def generate(roles, engines, prompts, sampling, seeds):
-    """Split the prompts over the engines; one list of Sample per prompt, in order."""
-    per = math.ceil(len(prompts) / len(engines))
-    futures = [e.generate.remote([p["prompt_ids"] for p in prompts[i * per : (i + 1) * per]], sampling,
-                                 seeds[i * per : (i + 1) * per])
-               for i, e in enumerate(engines) if prompts[i * per : (i + 1) * per]]
-    return [group for chunk in roles.get(futures) for group in chunk]
+def generate(roles, engines, prompt_ids, sampling, seeds, timeout_s):
+    """Split the tokenized prompts over the engines; one list of Sample per prompt, in order. `sampling`: one
+    SamplingArgs, or one per prompt; `seeds`: one per prompt, or None (then each SamplingArgs carries its own)."""
+    per = math.ceil(len(prompt_ids) / len(engines))
+    futures = [e.generate.remote(prompt_ids[i * per : (i + 1) * per],
+                                 sampling[i * per : (i + 1) * per] if isinstance(sampling, list) else sampling,
+                                 seeds and seeds[i * per : (i + 1) * per])
+               for i, e in enumerate(engines) if prompt_ids[i * per : (i + 1) * per]]
+    return [group for chunk in roles.get(futures, timeout_s, "vLLM engines (generating)") for group in chunk]
 
 
 def compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer):
@@ -307,46 +366,109 @@ def overlong_penalty(length, max_len, buffer, factor):
     return min(max(over, 0), buffer) / buffer * factor if buffer > 0 else 0.0
 
 
-def sample_rollout(args, roles, engines, prompts, state, sampling, reward_fn, reward_models, tokenizer, phase):
-    """--rollout_batch_size prompts from the stream at state["consumed_prompts"] (advanced), n responses each,
-    rewarded; with --dynamic_filtering groups of equal rewards are dropped and new prompts refill the batch.
-    Returns (samples, raw rewards (prompts, n), dropped groups, sampling rounds); phase(name, t0) times."""
-    kept, dropped, rounds = [], [], 0
+def rollout_groups(args, roles, engines, prompts, n, temperature, top_p, seeds, reward_fn, reward_models, tokenizer,
+                   env_cls, timing):
+    """n responses (or episodes) per prompt and their rewards (prompts, n); timing["time/..."] accumulates."""
+    timeout_s, t0 = args.async_rollout.rollout_timeout, time.time()
+    if env_cls is not None:  # the environment rewards each episode as it runs
+        groups = run_episodes(args, env_cls, lambda ids, sp: generate(roles, engines, ids, sp, None, timeout_s),
+                              tokenizer, prompts, n, temperature, seeds)
+        timing["time/generate"] = timing.get("time/generate", 0.0) + time.time() - t0
+        return groups, torch.tensor([[e.reward for e in g] for g in groups])
+    sampling = SamplingArgs(n=n, temperature=temperature, top_p=top_p, max_new_tokens=args.generate_max_len)
+    groups = generate(roles, engines, [p["prompt_ids"] for p in prompts], sampling, seeds, timeout_s)
+    timing["time/generate"] = timing.get("time/generate", 0.0) + time.time() - t0
+    t0 = time.time()
+    rewards = compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer)
+    timing["time/reward"] = timing.get("time/reward", 0.0) + time.time() - t0
+    return groups, rewards
+
+
+def collect_rollout(args, roles, engines, prompts, start, version, reward_fn, reward_models, tokenizer, env_cls):
+    """One step's rollout from prompt position `start` with the engines holding policy `version`:
+    --rollout_batch_size prompts, n responses (or episodes) each, rewarded; with --dynamic_filtering groups of
+    equal rewards are dropped and new prompts refill the batch. Runs on the driver, or with --async_train in the
+    rollout thread while the trainer updates on the previous step's samples."""
+    kept, dropped, rounds, position, timing = [], [], 0, start, {}
     while len(kept) < args.rollout_batch_size and rounds < max(1, args.dynamic_filtering_max_rounds):
         need, rounds = args.rollout_batch_size - len(kept), rounds + 1
-        positions = range(state["consumed_prompts"], state["consumed_prompts"] + need)
+        positions = range(position, position + need)
+        position += need
         batch_prompts = [prompt_at(prompts, i, args.train.seed) for i in positions]
-        state["consumed_prompts"] += need
-        t0 = time.time()
         # a seed per prompt position: the same samples whatever the engine count or batching (resume is exact)
-        groups = generate(roles, engines, batch_prompts, sampling, [args.train.seed * 1_000_003 + i for i in positions])
-        phase("generate", t0)
-        t0 = time.time()
-        rewards = compute_rewards(roles, reward_fn, reward_models, batch_prompts, groups, tokenizer)
-        phase("reward", t0)
+        groups, rewards = rollout_groups(args, roles, engines, batch_prompts, args.n_samples_per_prompt,
+                                         args.temperature, args.top_p,
+                                         [args.train.seed * 1_000_003 + i for i in positions],
+                                         reward_fn, reward_models, tokenizer, env_cls, timing)
         for p, g, r in zip(batch_prompts, groups, rewards):
             all_equal = bool((r == r[0]).all())
             (dropped if args.dynamic_filtering and all_equal else kept).append((p, g, r))
         if not args.dynamic_filtering:
             break
     kept += dropped[: args.rollout_batch_size - len(kept)]  # rounds ran out: equal-reward groups carry no signal
+    return {"kept": kept, "dropped": len(dropped), "rounds": rounds, "end": position, "version": version,
+            "timing": timing}
+
+
+def finish_rollout(pending, step, timeout_s):
+    """The result of a rollout running in the rollout thread (its errors re-raised), within --rollout_timeout."""
+    try:
+        return pending.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise RoleFailed(f"vLLM engines (the rollout of step {step + 1} in the rollout thread): not finished "
+                         f"within {timeout_s:.0f} s (--rollout_timeout)") from None
+
+
+def rollout_samples(rollout, args):
+    """The training samples of a rollout (prompt and response ids, vLLM's log-probs, reward less DAPO's
+    overlong penalty, masked) and its raw rewards (prompts, n)."""
     samples = []
-    for p, g, r in kept:
+    for p, g, r in rollout["kept"]:
         for s, reward in zip(g, r.tolist()):
+            if isinstance(s, Episode):
+                samples.append({**episode_sample(s, args.mask_truncated_responses), "reward": reward})
+                continue
             penalty = overlong_penalty(len(s.output_ids), args.generate_max_len, args.overlong_buffer_len,
                                        args.overlong_penalty_factor)
             samples.append({"prompt_ids": p["prompt_ids"], "response_ids": list(s.output_ids),
                             "vllm_logps": list(s.logprobs), "reward": reward - penalty,
                             "masked": args.mask_truncated_responses and s.finish_reason == "length"})
-    return samples, torch.stack([r for _, _, r in kept]), len(dropped), rounds
+    return samples, torch.stack([r for _, _, r in rollout["kept"]])
+
+
+def rollout_metrics(rollout, samples, raw_rewards, step):
+    """What every RL driver logs of a rollout: rewards, lengths of the model's own tokens, filtering,
+    staleness, and the episodes' turns, forks and rejects."""
+    lengths = [int(model_tokens(s).sum()) for s in samples]
+    metrics = {"train/reward": raw_rewards.mean().item(), "train/reward_std": raw_rewards.std().item(),
+               "train/response_length": sum(lengths) / len(lengths),
+               "train/truncated": sum(s["masked"] for s in samples) / len(samples),
+               "train/dropped_groups": rollout["dropped"], "train/sampling_rounds": rollout["rounds"],
+               "async/policy_version": rollout["version"], "async/staleness": step - rollout["version"],
+               **rollout["timing"]}
+    episodes = [e for _, g, _ in rollout["kept"] for e in g if isinstance(e, Episode)]
+    if episodes:
+        metrics.update({"train/episode_turns": sum(e.turns for e in episodes) / len(episodes),
+                        "train/episode_length": sum(len(e.tokens()) for e in episodes) / len(episodes),
+                        "train/episode_forks": sum(e.forks for e in episodes),
+                        "train/episode_rejects": sum(e.rejected for e in episodes)})
+    return metrics
+
+
+def environment(args):
+    """The Env class of --agent_func_path, or None."""
+    return load_env(args.agent.agent_func_path) if args.agent.agent_func_path else None
 
 
 @torch.no_grad()
-def evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer):
-    n = args.eval_n_samples_per_prompt
-    sampling = SamplingArgs(n=n, temperature=args.eval_temperature, max_new_tokens=args.generate_max_len)
-    groups = generate(roles, engines, eval_prompts, sampling,
-                      [args.train.seed + 7919 * i for i in range(len(eval_prompts))])
-    rewards = compute_rewards(roles, reward_fn, reward_models, eval_prompts, groups, tokenizer)
+def evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer, env_cls=None):
+    n, timing = args.eval_n_samples_per_prompt, {}
+    seeds = [args.train.seed + 7919 * i for i in range(len(eval_prompts))]
+    groups, rewards = rollout_groups(args, roles, engines, eval_prompts, n, args.eval_temperature, 1.0, seeds,
+                                     reward_fn, reward_models, tokenizer, env_cls, timing)
+    if env_cls is not None:  # the model's own tokens
+        length = sum(len(ids) for g in groups for e in g for ids, trainable, _ in e.segments if trainable)
+    else:
+        length = sum(len(s.output_ids) for g in groups for s in g)
     return {"eval/pass@1": rewards.mean().item(), f"eval/pass@{n}": rewards.max(1).values.mean().item(),
-            "eval/response_length": sum(len(s.output_ids) for g in groups for s in g) / rewards.numel()}
+            "eval/response_length": length / rewards.numel()}

@@ -1,7 +1,7 @@
-"""algos/grpo.py --agent_func_path: episodes token in / token out (segments concatenate to what the engine saw,
-masks and log-probs line up token by token, a chat template that rewrites history forks or rejects), advantages
-that the environment's tokens cannot change, bad environment files, and a multi-turn learning run on the built-in
-task (common/tiny.py data/lookup, launch/agent_lookup.py)."""
+"""algos/grpo.py --agent_func_path (common/episodes.py): episodes token in / token out (segments concatenate to
+what the engine saw, masks and log-probs line up token by token, a chat template that rewrites history forks or
+rejects), advantages that the environment's tokens cannot change, bad environment files, and a multi-turn learning
+run on the built-in task (common/tiny.py data/lookup, launch/agent_lookup.py)."""
 
 import dataclasses
 import os
@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from common.episodes import episode_sample, load_env, run_episodes
 from conftest import ROOT, load_algo, read_jsonl, run_script
 from test_grpo import grpo_args
 
@@ -53,7 +54,7 @@ def test_episode_tokens_line_up_with_what_the_engine_saw(assets, rl_start_model)
     tokenizer = AutoTokenizer.from_pretrained(rl_start_model)
     gen = RecordingHF(rl_start_model)
     prompts = lookup_prompts(assets, tokenizer, args, 4)
-    groups = grpo.run_episodes(args, grpo.load_env(LOOKUP_ENV), gen, tokenizer, prompts, 2, 1.0, [11, 12, 13, 14])
+    groups = run_episodes(args, load_env(LOOKUP_ENV), gen, tokenizer, prompts, 2, 1.0, [11, 12, 13, 14])
     episodes = [e for g in groups for e in g]
     assert sum(e.turns for e in episodes) == len(gen.calls) and all(e.turns >= 2 for e in episodes)
     assert sum(e.forks for e in episodes) == 0  # the tiny chat template only appends
@@ -73,7 +74,7 @@ def test_episode_tokens_line_up_with_what_the_engine_saw(assets, rl_start_model)
             seen += ids
         assert seen == e.tokens()
         # the training sample: loss on the model's tokens only, vLLM log-probs at the same positions
-        s = grpo.episode_sample(e, mask_truncated=False)
+        s = episode_sample(e, mask_truncated=False)
         assert s["prompt_ids"] + s["response_ids"] == e.tokens()
         model = [lp for ids, trainable, lps in e.segments[1:] if trainable for lp in lps]
         assert [lp for lp, t in zip(s["vllm_logps"], s["trainable"]) if t] == model
@@ -105,11 +106,11 @@ def test_a_template_that_rewrites_history_forks_or_rejects(assets, rl_start_mode
     tokenizer.chat_template = REWRITING_TEMPLATE
     gen = RecordingHF(rl_start_model)
     prompts = lookup_prompts(assets, tokenizer, args, 3)
-    episodes = [e for g in grpo.run_episodes(args, grpo.load_env(LOOKUP_ENV), gen, tokenizer, prompts, 2, 1.0,
+    episodes = [e for g in run_episodes(args, load_env(LOOKUP_ENV), gen, tokenizer, prompts, 2, 1.0,
                                              [1, 2, 3]) for e in g]
     if mode == "reject":  # the first observation cannot be appended: every episode stops there, without loss
         assert all(e.rejected and e.turns == 1 and e.forks == 0 for e in episodes)
-        assert all(grpo.episode_sample(e, False)["masked"] for e in episodes)
+        assert all(episode_sample(e, False)["masked"] for e in episodes)
         return
     assert all(e.forks == e.turns - 1 >= 1 and not e.rejected for e in episodes)
     calls = {(tuple(given), tuple(s.output_ids)) for given, s in gen.calls}
@@ -117,7 +118,7 @@ def test_a_template_that_rewrites_history_forks_or_rejects(assets, rl_start_mode
         (prompt, trainable, _), (last, last_trainable, _) = e.segments[0], e.segments[1]
         assert not trainable and last_trainable and (tuple(prompt), tuple(last)) in calls
         assert "(...)" in tokenizer.decode(prompt)
-        s = grpo.episode_sample(e, False)
+        s = episode_sample(e, False)
         assert s["trainable"][: len(last)] == [1] * len(last) and not s["masked"]
 
 
@@ -170,11 +171,11 @@ def test_bad_agent_files(assets, rl_start_model, tmp_path):
     no_env = tmp_path / "no_env.py"
     no_env.write_text("def reset(prompt, label):\n    return prompt\n")
     with pytest.raises(ValueError, match=f"--agent_func_path {no_env}: defines no class Env with reset"):
-        grpo.load_env(str(no_env))
+        load_env(str(no_env))
     no_step = tmp_path / "no_step.py"
     no_step.write_text("class Env:\n    def reset(self, prompt, label):\n        return prompt\n")
     with pytest.raises(ValueError, match=r"defines no class Env .* \(Env lacks step\)"):
-        grpo.load_env(str(no_step))
+        load_env(str(no_step))
     # through the CLI: refused before Ray or any model starts
     args = grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size", 64)
     at = args.index("--remote_rm_url")
@@ -196,10 +197,11 @@ def test_bad_agent_files(assets, rl_start_model, tmp_path):
     for path, message in ((raising, "episode 0, turn 1: Env.step raised KeyError: 'no such box'"),
                           (wrong, r"episode 0, turn 0: Env.step must return \(observation: str, reward: float, "
                                   r"done: bool\), got \('look', 1.0\)")):
-        args = dataclasses.replace(agent_args(assets), agent_func_path=str(path))
+        args = agent_args(assets)
+        args.agent.agent_func_path = str(path)
         prompts = lookup_prompts(assets, tokenizer, args, 2)
         with pytest.raises(ValueError, match=f"--agent_func_path {path}: {message}"):
-            grpo.run_episodes(args, grpo.load_env(str(path)), gen, tokenizer, prompts, 2, 1.0, [1, 2])
+            run_episodes(args, load_env(str(path)), gen, tokenizer, prompts, 2, 1.0, [1, 2])
 
 
 def test_multiturn_lookup_task_learns(assets, rl_start_model, tmp_path):

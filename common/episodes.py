@@ -1,0 +1,183 @@
+"""Multi-turn episodes for the RL drivers (grpo.py, ppo.py; --agent_func_path): an environment file, and
+rollouts token in / token out. An episode is a list of segments (token_ids, trainable, logprobs): the prompt and the
+environment's turns (not trainable) and the model's turns as the tokens vLLM sampled, with vLLM's log-probs. Nothing
+the model wrote is re-tokenised; with a chat template each next turn must extend the text of the tokens so far.
+"""
+
+import os
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from common.data import format_prompt
+from common.vllm_engine import SamplingArgs
+
+
+@dataclass
+class AgentArgs:
+    agent_func_path: Optional[str] = None
+    """A .py file defining `class Env` with reset(prompt, label) -> first observation text and step(action text) ->
+    (observation text, reward, done), one Env per episode; the episode's reward is the sum of its steps' rewards
+    (instead of --remote_rm_url / --reward_pretrain)."""
+    max_turns: int = 4
+    """Model turns per episode at most (--agent_func_path)."""
+    max_episode_tokens: Optional[int] = None
+    """Token budget of an episode: prompt, model and environment turns (default: --prompt_max_len + --max_turns x
+    --generate_max_len); each model turn gets at most what is left."""
+    episode_mismatch: Literal["fork", "reject"] = "fork"
+    """When the chat template renders the next turn so that it does not extend what the episode's tokens say (it
+    rewrites history): fork (the training sample restarts at the rendered conversation; earlier turns become context
+    without loss) or reject (the episode carries no loss). Counted as train/episode_forks and train/episode_rejects."""
+
+
+def validate_agent_args(args):
+    """The --agent_func_path checks (the file and its class load now, not after the models); fills
+    --max_episode_tokens."""
+    agent = args.agent
+    load_env(agent.agent_func_path)
+    if args.remote_rm_url or args.reward_pretrain:
+        raise ValueError("--agent_func_path: the environment's step() gives the rewards; drop --remote_rm_url "
+                         "and --reward_pretrain")
+    if agent.max_turns < 1:
+        raise ValueError(f"--max_turns must be >= 1, got {agent.max_turns}")
+    if args.overlong_buffer_len > 0:
+        raise ValueError("--overlong_buffer_len is for single-turn responses, not --agent_func_path episodes")
+    if agent.max_episode_tokens is None:
+        agent.max_episode_tokens = args.prompt_max_len + agent.max_turns * args.generate_max_len
+    if agent.max_episode_tokens <= args.prompt_max_len:
+        raise ValueError(f"--max_episode_tokens {agent.max_episode_tokens} leaves no room after --prompt_max_len "
+                         f"{args.prompt_max_len}")
+
+
+def load_env(path):
+    """The `Env` class of an environment file; ValueError naming the file and what it lacks."""
+    import importlib.util
+
+    if not os.path.isfile(path):
+        raise ValueError(f"--agent_func_path {path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"minrlhf_env_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise ValueError(f"--agent_func_path {path}: importing it raised {type(e).__name__}: {e}") from None
+    env = getattr(module, "Env", None)
+    missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+    if not isinstance(env, type) or missing:
+        raise ValueError(f"--agent_func_path {path}: defines no class Env with reset(prompt, label) -> observation "
+                         f"and step(action) -> (observation, reward, done)"
+                         + (f" (Env lacks {', '.join(missing)})" if isinstance(env, type) else ""))
+    return env
+
+
+@dataclass
+class Episode:
+    """One episode as segments (token_ids, trainable, logprobs): the prompt and the environment's turns (not
+    trainable, logprobs None) and the model's turns (trainable, with vLLM's log-probs). The segments concatenate to
+    exactly the tokens the engine was given and produced: nothing the model wrote is re-tokenised."""
+
+    env: object
+    segments: list
+    messages: list  # the conversation as chat messages, to render the next turn with the chat template
+    reward: float = 0.0
+    turns: int = 0
+    forks: int = 0
+    rejected: bool = False
+    done: bool = False
+    finish_reason: str = "stop"
+
+    def tokens(self):
+        return [t for ids, _, _ in self.segments for t in ids]
+
+
+def env_call(method, path, episode, turn, *inputs):
+    """An environment method, its errors and wrong return types named by file, episode and turn."""
+    where = f"--agent_func_path {path}: episode {episode}, turn {turn}: Env.{method.__name__}"
+    try:
+        out = method(*inputs)
+    except Exception as e:
+        raise ValueError(f"{where} raised {type(e).__name__}: {e}") from None
+    if method.__name__ == "reset" and not isinstance(out, str):
+        raise ValueError(f"{where} must return the observation text (str), got {type(out).__name__}")
+    if method.__name__ == "step" and not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], str)
+                                          and isinstance(out[1], (int, float)) and not isinstance(out[1], bool)
+                                          and isinstance(out[2], bool)):
+        raise ValueError(f"{where} must return (observation: str, reward: float, done: bool), got {out!r}"[:400])
+    return out
+
+
+def append_observation(e, observation, action_text, tokenizer, args):
+    """The environment's answer as tokens after the model's. Plain prompts: the observation's own tokens. Chat
+    template: the conversation is rendered with the observation as the next user turn (and the generation prompt);
+    where that text extends the text of the episode's tokens, the tokens of what it adds are appended (the model's
+    tokens stay as sampled, even where they are not the tokenizer's own split of their text). Where it does not
+    (the template rewrote history), fork or reject (--episode_mismatch)."""
+    if not args.apply_chat_template:
+        e.segments.append((tokenizer(observation, add_special_tokens=False)["input_ids"], False, None))
+        return
+    e.messages += [{"role": "assistant", "content": action_text}, {"role": "user", "content": observation}]
+    text = tokenizer.apply_chat_template(e.messages, tokenize=False, add_generation_prompt=True)
+    seen = tokenizer.decode(e.tokens(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    if text.startswith(seen):
+        e.segments.append((tokenizer(text[len(seen):], add_special_tokens=False)["input_ids"], False, None))
+    elif args.agent.episode_mismatch == "fork":
+        e.segments, e.forks = [(tokenizer(text, add_special_tokens=False)["input_ids"], False, None)], e.forks + 1
+    else:
+        e.rejected = e.done = True
+
+
+def run_episodes(args, env_cls, generate_fn, tokenizer, prompts, n, temperature, seeds):
+    """n episodes per prompt, turn by turn: the tokens of every unfinished episode go to the engines at once
+    (generate_fn(token lists, SamplingArgs list) -> lists of Sample), the model's turn is appended as the tokens
+    it sampled, then the environment's answer. Returns one list of Episode per prompt."""
+    path, budget, episodes = args.agent.agent_func_path, args.agent.max_episode_tokens, []
+    for p in prompts:
+        for _ in range(n):
+            try:
+                e = Episode(env_cls(), [], [])
+            except Exception as error:
+                raise ValueError(f"--agent_func_path {path}: episode {len(episodes)}: Env() raised "
+                                 f"{type(error).__name__}: {error}") from None
+            observation = env_call(e.env.reset, path, len(episodes), 0, p["raw"], p["label"])
+            ids = tokenizer(format_prompt(observation, tokenizer, args),
+                            add_special_tokens=not args.apply_chat_template)["input_ids"]
+            if len(ids) >= budget:
+                raise ValueError(f"--agent_func_path {path}: episode {len(episodes)}: the first observation is "
+                                 f"{len(ids)} tokens, no room left in --max_episode_tokens {budget}")
+            e.segments, e.messages = [(ids, False, None)], [{"role": "user", "content": observation}]
+            episodes.append(e)
+    for turn in range(args.agent.max_turns):
+        active = [(i, e) for i, e in enumerate(episodes) if not e.done]
+        if not active:
+            break
+        # a seed per (prompt seed, sample, turn): hash() of ints is the same in every process and run
+        samplings = [SamplingArgs(n=1, temperature=temperature, top_p=args.top_p,
+                                  seed=hash((seeds[i // n], i % n, turn)) % 2**31,
+                                  max_new_tokens=min(args.generate_max_len, budget - len(e.tokens())))
+                     for i, e in active]
+        for (i, e), (s,) in zip(active, generate_fn([e.tokens() for _, e in active], samplings)):
+            e.segments.append((list(s.output_ids), True, list(s.logprobs)))
+            e.turns, e.finish_reason = e.turns + 1, s.finish_reason
+            # the text of the sampled tokens, as the check in append_observation decodes them (vLLM's own text
+            # holds back a trailing partial UTF-8 character)
+            text = tokenizer.decode(s.output_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            observation, reward, done = env_call(e.env.step, path, i, turn, text)
+            e.reward += float(reward)
+            if done or turn + 1 == args.agent.max_turns:
+                e.done = True
+                continue
+            append_observation(e, observation, text, tokenizer, args)
+            if len(e.tokens()) >= budget:  # no room for another turn: cut off, as a response at its length limit
+                e.done, e.finish_reason = True, "length"
+    return [episodes[k * n : (k + 1) * n] for k in range(len(prompts))]
+
+
+def episode_sample(e, mask_truncated):
+    """The training sample of an episode: its first segment is the prompt; the rest is the response, trainable
+    where the model wrote it, with vLLM's log-probs there (0 at the environment's tokens, which carry no loss)."""
+    (prompt, _, _), rest = e.segments[0], e.segments[1:]
+    return {"prompt_ids": list(prompt), "response_ids": [t for ids, _, _ in rest for t in ids],
+            "trainable": [int(trainable) for ids, trainable, _ in rest for _ in ids],
+            "vllm_logps": [lp for ids, trainable, lps in rest for lp in (lps if trainable else [0.0] * len(ids))],
+            "masked": e.rejected or (mask_truncated and e.finish_reason == "length")}
+
+
