@@ -46,11 +46,15 @@ sys.path.insert(0, ROOT)
 from common.data import load_tokenizer  # noqa: E402
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
-    deepspeed_config, deepspeed_eval_config, device, finish, hold_ckpt_path, load_causal_lm, load_checkpoint,
+    deepspeed_eval_config, device, finish, hold_ckpt_path, load_causal_lm, load_checkpoint,
     optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, validate_common_args,
 )
 from common.episodes import AgentArgs  # noqa: E402
-from common.packing import branch_source_logits, one_row_per_batch, to_device, token_logps, unpack  # noqa: E402
+from common.packing import branch_source_logits, one_row_per_batch, to_device, unpack  # noqa: E402
+from common.ring_attention import (  # noqa: E402
+    RingArgs, check_ring_model, ring_deepspeed_config, ring_next_token_values, ring_token_logps, setup_ring,
+    validate_ring_args,
+)
 from common.rl import (  # noqa: E402
     AsyncArgs, RewardModels, RolloutEngineArgs, RolloutLogArgs, collect_rollout, environment, evaluate,
     finish_rollout, join_group, load_prompts, make_batch, model_tokens, off_policy, reference_args,
@@ -89,6 +93,7 @@ class Args:
     log: RolloutLogArgs = field(default_factory=RolloutLogArgs)
     agent: AgentArgs = field(default_factory=AgentArgs)  # multi-turn environments (common/episodes.py)
     async_rollout: AsyncArgs = field(default_factory=AsyncArgs)  # the rollout one step ahead, and its bound
+    ring: RingArgs = field(default_factory=RingArgs)  # the trainer's (and reference's) rows split over rings
     # -- prompts
     prompt_data: str = tyro.MISSING
     """Prompt dataset (any spec common/data.py loads: file, folder, type@dir, hub name)."""
@@ -206,7 +211,8 @@ class Args:
 def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
-    validate_common_args(args.model, args.train, args.ckpt, world)
+    dp_world = validate_ring_args(args.ring, world, args.model)  # trainer ranks / ring size
+    validate_common_args(args.model, args.train, args.ckpt, dp_world)
     if args.n_samples_per_prompt == 1 and args.advantage_estimator in GROUP_ESTIMATORS:
         raise ValueError(f"--advantage_estimator {args.advantage_estimator} compares samples of the same prompt: "
                          f"set --n_samples_per_prompt >= 2 (or use --advantage_estimator reinforce)")
@@ -325,12 +331,15 @@ def loss_mode(args):
     return "constant" if args.advantage_estimator == "dr_grpo" else args.loss_agg
 
 
-def token_entropy(logits, batch):
-    """Entropy of each position's next-token distribution, aligned like common.packing.token_logps."""
+def token_entropy(logits, batch, ring=None):
+    """Entropy of each position's next-token distribution, aligned like common.packing.token_logps (with a
+    ring, `logits` are this rank's slice's)."""
     def entropy(x):
         logps = x.float().log_softmax(-1)
         return -(logps.exp() * logps).sum(-1)
 
+    if ring is not None:
+        return ring_next_token_values(entropy(logits[0]), batch, ring)
     out = torch.nn.functional.pad(entropy(logits[:, :-1]), (1, 0))
     branches = branch_source_logits(logits, batch)
     if branches is not None:  # a branch's first token is predicted from its root's prompt (make_batch)
@@ -351,11 +360,11 @@ def single_update(args):
     return one_step and not (args.init_kl_coef > 0 and not args.use_kl_loss)
 
 
-def micro_batch_loss(model, batch, args, normaliser, scale=1.0):
+def micro_batch_loss(model, batch, args, normaliser, scale=1.0, ring=None):
     """The policy loss of one collated micro-batch, already divided by the step's normaliser (times
     `scale`, which undoes DeepSpeed's averaging); returns (loss, metric sums). Without "old_logps"
     in the batch (single_update) the current log-probs stand in for them, detached."""
-    logps, outputs = token_logps(model, batch)
+    logps, outputs = ring_token_logps(model, batch, ring)
     mask = batch["loss_mask"]
     old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
@@ -370,7 +379,7 @@ def micro_batch_loss(model, batch, args, normaliser, scale=1.0):
         pieces["kl_loss"] = aggregate(kl, mask, batch["sample_index"], batch["num_samples"], mode)
         total = total + args.init_kl_coef * pieces["kl_loss"]
     with torch.set_grad_enabled(args.entropy_loss_coef > 0):
-        entropy = token_entropy(outputs.logits, batch)
+        entropy = token_entropy(outputs.logits, batch, ring)
         pieces["entropy"] = aggregate(entropy, mask, batch["sample_index"], batch["num_samples"], mode)
     if args.entropy_loss_coef > 0:
         total = total - args.entropy_loss_coef * pieces["entropy"]
@@ -396,9 +405,11 @@ class PolicyTrainer:
         args = self.args
         join_group(self.rank, self.world, master_addr, master_port, args.rendezvous_timeout, args.train.seed,
                    args.actor_num_gpus_per_node)  # the phases run one at a time: each takes the node's cores
-        ds_config = deepspeed_config(args.train, self.world)
+        self.ring = setup_ring(args.ring)  # None without --ring_attn_size
+        ds_config = ring_deepspeed_config(args.train, self.world, self.ring)
         model = load_causal_lm(args.model, ds_config)
-        self.one_row = one_row_per_batch(model.config._attn_implementation)
+        check_ring_model(model, self.ring)
+        self.one_row = self.ring is not None or one_row_per_batch(model.config._attn_implementation)
         self.share_prompt = model.config._attn_implementation == VARLEN_ATTENTION  # the kernel reads branches
         self.engine = create_train_engine(model, args.train, ds_config, num_training_steps)
         self.ref = None
@@ -429,7 +440,7 @@ class PolicyTrainer:
             for key, model in (("old_logps", self.engine if policy else None), ("ref_logps", self.ref)):
                 if model is None:
                     continue
-                logps, _ = token_logps(model, batch)
+                logps, _ = ring_token_logps(model, batch, self.ring)
                 out[key] += [t[p:].cpu().tolist() for p, t in zip(batch["response_offsets"], unpack(logps, batch))]
         self.engine.train()
         return out
@@ -442,9 +453,9 @@ class PolicyTrainer:
     def train(self, steps):
         """steps: this rank's samples of each optimizer step (with advantages, old/ref/vLLM
         log-probs). Returns the step-averaged metrics (rank 0)."""
-        args, engine = self.args, self.engine
+        args, engine, ring_size = self.args, self.engine, self.args.ring.ring_attn_size
         micro = args.train.micro_train_batch_size
-        gas = accumulation_steps(args.train.train_batch_size, micro, self.world)
+        gas = accumulation_steps(args.train.train_batch_size, micro, self.world // ring_size)
         values = (["advantages", "vllm_logps"] + ([] if single_update(args) else ["old_logps"])
                   + (["ref_logps"] if args.use_kl_loss else []))
         totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
@@ -453,14 +464,16 @@ class PolicyTrainer:
             batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, max_tokens, self.one_row, values,
                                             self.share_prompt), device())
                        for i in range(0, len(samples), micro)]
+            # counted on every rank: the ranks of a ring count their samples ring-size times, as DeepSpeed
+            # counts them (ring_deepspeed_config), and the loss is the ring's ring-size times
             tokens, sequences = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in batches),
                                                 sum(not s.get("masked") for s in samples)])
-            normaliser = step_normaliser(loss_mode(args), tokens, sequences, args.train.train_batch_size,
+            normaliser = step_normaliser(loss_mode(args), tokens, sequences, args.train.train_batch_size * ring_size,
                                          args.generate_max_len)
             lrs.append(engine.get_lr()[0])
             step_metrics = {}
             for batch in batches:
-                loss, metrics = micro_batch_loss(engine, batch, args, normaliser, scale=gas * self.world)
+                loss, metrics = micro_batch_loss(engine, batch, args, normaliser, gas * self.world, self.ring)
                 engine.backward(loss)
                 grad_norm = optimizer_step(engine)
                 vllm_diff = max(vllm_diff, metrics.pop("vllm_logp_max_abs_diff"))
@@ -535,7 +548,7 @@ def place_models(args, world, pad_id, roles):
 def main(args: Args):
     import ray
 
-    world = args.actor_num_nodes * args.actor_num_gpus_per_node
+    world, ring_size = args.actor_num_nodes * args.actor_num_gpus_per_node, args.ring.ring_attn_size
     tokenizer = load_tokenizer(args.model.pretrain, args)
     prompts = load_prompts(args.prompt_data, args.prompt_split, args, tokenizer, args.max_samples)
     eval_prompts = args.eval_dataset and load_prompts(args.eval_dataset, args.eval_split, args, tokenizer, 10**9)
@@ -594,12 +607,13 @@ def main(args: Args):
         samples, raw_rewards = rollout_samples(rollout, args)
         phases.update(2)
 
-        # 3. log-probs before the update: policy (old, unless single_update or off-policy) and reference
+        # 3. log-probs before the update: policy (old, unless single_update or off-policy) and reference;
+        # each ring its contiguous shard (trainer rank r is in ring r // ring size; its first rank answers)
         t0 = time.time()
-        shard, policy_pass = per_step // world, not single_update(args) and not off_policy(args)
+        shard, policy_pass = per_step // (world // ring_size), not single_update(args) and not off_policy(args)
         if policy_pass or args.init_kl_coef > 0:
-            outs = roles.get([t.logprobs.remote(samples[r * shard : (r + 1) * shard], policy_pass)
-                              for r, t in enumerate(trainers)])
+            outs = roles.get([t.logprobs.remote(samples[r // ring_size * shard : (r // ring_size + 1) * shard],
+                                                policy_pass) for r, t in enumerate(trainers)])[::ring_size]
             for r, out in enumerate(outs):
                 for k, s in enumerate(samples[r * shard : (r + 1) * shard]):
                     if policy_pass:
@@ -617,12 +631,12 @@ def main(args: Args):
         for s, a in zip(samples, sample_advantages(samples, rewards, args)):
             s["advantages"] = a.tolist()
 
-        # 5. policy update: epochs x optimizer steps, each step's samples split over the ranks
+        # 5. policy update: epochs x optimizer steps, each step's samples split over the rings
         if args.vllm_enable_sleep:
             roles.get([e.sleep.remote() for e in engines])
         t0 = time.time()
-        per_rank_steps = split_steps(samples, args, step, world)
-        train_metrics = roles.get([t.train.remote(per_rank_steps[r]) for r, t in enumerate(trainers)])[0]
+        ring_steps = split_steps(samples, args, step, world // ring_size)
+        train_metrics = roles.get([t.train.remote(ring_steps[r // ring_size]) for r, t in enumerate(trainers)])[0]
         phase("train", t0)
         phases.update(1)
 

@@ -41,12 +41,16 @@ sys.path.insert(0, ROOT)
 from common.data import load_one, load_tokenizer  # noqa: E402
 from common.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
-    deepspeed_config, deepspeed_eval_config, device, finish, hold_ckpt_path, load_causal_lm, load_checkpoint,
+    deepspeed_eval_config, device, finish, hold_ckpt_path, load_causal_lm, load_checkpoint,
     optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, validate_common_args,
 )
 from common.episodes import AgentArgs  # noqa: E402
-from common.packing import collate, one_row_per_batch, to_device, token_logps, unpack  # noqa: E402
+from common.packing import collate, one_row_per_batch, to_device, unpack  # noqa: E402
 from common.reward import unwrap  # noqa: E402
+from common.ring_attention import (  # noqa: E402
+    RingArgs, check_ring_model, ring_deepspeed_config, ring_forward, ring_next_token_values, ring_token_logps,
+    setup_ring, validate_ring_args,
+)
 from common.rl import (  # noqa: E402
     AsyncArgs, RewardModels, RolloutEngineArgs, RolloutLogArgs, collect_rollout, environment, evaluate,
     finish_rollout, join_group, load_prompts, make_batch, model_tokens, off_policy, prompt_at, reference_args,
@@ -81,6 +85,7 @@ class Args:
     log: RolloutLogArgs = field(default_factory=RolloutLogArgs)
     agent: AgentArgs = field(default_factory=AgentArgs)  # multi-turn environments (common/episodes.py)
     async_rollout: AsyncArgs = field(default_factory=AsyncArgs)  # the rollout one step ahead, and its bound
+    ring: RingArgs = field(default_factory=RingArgs)  # every group's rows (actor, reference, critic) split over rings
     # -- the critic
     critic_pretrain: Optional[str] = None
     """Critic start point (default: the first --reward_pretrain if given, else --pretrain; the log says which).
@@ -230,16 +235,18 @@ def parse_args(argv=None):
     if args.advantage_estimator != "gae":
         raise ValueError(f"--advantage_estimator {args.advantage_estimator}: ppo.py learns a critic and uses gae "
                          f"only; the critic-free estimators are in algos/grpo.py")
-    validate_common_args(args.model, args.train, args.ckpt, world)
-    accumulation_steps(args.train.train_batch_size, args.train.micro_train_batch_size, critic_world)
+    dp_world = validate_ring_args(args.ring, world, args.model)  # actor ranks / ring size
+    critic_rings = validate_ring_args(args.ring, critic_world)
+    validate_common_args(args.model, args.train, args.ckpt, dp_world)
+    accumulation_steps(args.train.train_batch_size, args.train.micro_train_batch_size, critic_rings)
     validate_rollout_args(args, world, "ppo.py")
     if args.dynamic_filtering and args.n_samples_per_prompt < 2:
         raise ValueError("--dynamic_filtering drops prompts whose samples all got the same reward: set "
                          "--n_samples_per_prompt >= 2")
-    if args.rollout_batch_size * args.n_samples_per_prompt % (args.micro_rollout_batch_size * critic_world):
+    if args.rollout_batch_size * args.n_samples_per_prompt % (args.micro_rollout_batch_size * critic_rings):
         raise ValueError(f"{args.rollout_batch_size * args.n_samples_per_prompt} samples per rollout must be a "
-                         f"multiple of --micro_rollout_batch_size {args.micro_rollout_batch_size} x {critic_world} "
-                         f"critic ranks")
+                         f"multiple of --micro_rollout_batch_size {args.micro_rollout_batch_size} x {critic_rings} "
+                         f"data-parallel critic ranks")
     for name in ("gamma", "lambd", "lambd_critic"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             raise ValueError(f"--{name} must be in [0, 1], got {getattr(args, name)}")
@@ -392,10 +399,14 @@ def aggregate(per_token, mask, sample_index, num_samples, mode):
     return (per_token * mask).sum()
 
 
-def token_entropy(logits):
-    """Entropy of each position's next-token distribution, aligned like common.packing.token_logps."""
+def token_entropy(logits, batch, ring=None):
+    """Entropy of each position's next-token distribution, aligned like common.packing.token_logps (with a
+    ring, `logits` are this rank's slice's)."""
     logps = logits.float().log_softmax(-1)
-    return torch.nn.functional.pad(-(logps.exp() * logps).sum(-1), (1, 0))
+    entropy = -(logps.exp() * logps).sum(-1)
+    if ring is not None:
+        return ring_next_token_values(entropy[0], batch, ring)
+    return torch.nn.functional.pad(entropy[:, :-1], (1, 0))
 
 
 def single_update(args):
@@ -409,17 +420,17 @@ def single_update(args):
     return one_step and not (args.init_kl_coef > 0 and not args.use_kl_loss)
 
 
-def ptx_loss(model, batch):
+def ptx_loss(model, batch, ring=None):
     """PPO-ptx: the token-mean language-modelling loss of a collated micro-batch of pretraining text."""
-    logps, _ = token_logps(model, batch)
+    logps, _ = ring_token_logps(model, batch, ring)
     return -(logps * batch["loss_mask"]).sum() / batch["loss_mask"].sum().clamp(min=1)
 
 
-def micro_batch_loss(model, batch, args, normaliser, scale=1.0, ptx_batch=None):
+def micro_batch_loss(model, batch, args, normaliser, scale=1.0, ring=None, ptx_batch=None):
     """The actor's loss of one collated micro-batch, divided by the step's normaliser (times `scale`, which
     undoes DeepSpeed's averaging), plus --ptx_coef x the LM loss of `ptx_batch` (DeepSpeed's averaging makes
     that the mean over the step's micro-batches); returns (loss, metric sums)."""
-    logps, outputs = token_logps(model, batch)
+    logps, outputs = ring_token_logps(model, batch, ring)
     mask = batch["loss_mask"]
     old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
@@ -436,7 +447,7 @@ def micro_batch_loss(model, batch, args, normaliser, scale=1.0, ptx_batch=None):
         pieces["kl_loss"] = agg(approx_kl(logps, batch["ref_logps"], args.kl_estimator))
         total = total + args.init_kl_coef * pieces["kl_loss"]
     with torch.set_grad_enabled(args.entropy_loss_coef > 0):
-        pieces["entropy"] = agg(token_entropy(outputs.logits[:, :-1]))
+        pieces["entropy"] = agg(token_entropy(outputs.logits, batch, ring))
     if args.entropy_loss_coef > 0:
         total = total - args.entropy_loss_coef * pieces["entropy"]
     pieces["clip_ratio"] = agg(clipped)
@@ -444,29 +455,34 @@ def micro_batch_loss(model, batch, args, normaliser, scale=1.0, ptx_batch=None):
     metrics["vllm_logp_max_abs_diff"] = ((old_logps - batch["vllm_logps"]).abs() * mask).max().item()
     total = total * scale / normaliser
     if ptx_batch is not None:
-        lm = ptx_loss(model, ptx_batch)
+        lm = ptx_loss(model, ptx_batch, ring)
         metrics["ptx_loss"] = lm.item() * normaliser / ptx_batch["num_micro"]  # summed / normaliser: the step's mean
         total = total + args.ptx_coef * lm
     return total, metrics
 
 
-def token_values(model, batch, value_head_prefix="score"):
+def token_values(model, batch, value_head_prefix="score", ring=None):
     """Critic forward of a collated batch: values[:, t] is the value of the state before token t (the value
     head's output at t - 1, 0 at each sample's first token), aligned like token_logps and loss_mask."""
     values = []
     handle = getattr(unwrap(model), value_head_prefix).register_forward_hook(lambda m, a, out: values.append(out))
     try:
-        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-              use_cache=False)  # with the cache on, packed rows are silently attended as one sequence
+        if ring is not None:  # this rank's slice of the row; the values of the whole row are gathered below
+            ring_forward(model, batch, ring)
+        else:  # with the cache on, packed rows are silently attended as one sequence
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                  position_ids=batch["position_ids"], use_cache=False)
     finally:
         handle.remove()
+    if ring is not None:
+        return ring_next_token_values(values[0][0, :, 0].float(), batch, ring)
     out = torch.nn.functional.pad(values[0].squeeze(-1)[:, :-1].float(), (1, 0))
     return out.masked_fill(batch["position_ids"] == 0, 0.0)
 
 
-def critic_micro_batch_loss(model, batch, args, normaliser, scale=1.0):
+def critic_micro_batch_loss(model, batch, args, normaliser, scale=1.0, ring=None):
     """The critic's clipped value loss of one micro-batch, divided by the step's normaliser."""
-    values = token_values(model, batch, args.value_head_prefix)
+    values = token_values(model, batch, args.value_head_prefix, ring)
     mask = batch["loss_mask"]
     per_token, clipped = value_loss(values, batch["values"], batch["returns"], args.value_clip)
     loss = aggregate(per_token, mask, batch["sample_index"], batch["num_samples"], args.loss_agg)
@@ -516,6 +532,14 @@ class GroupMember:
     def join(self, master_addr, master_port):
         join_group(self.rank, self.world, master_addr, master_port, self.args.rendezvous_timeout,
                    self.args.train.seed, self.ranks_per_node)
+        self.ring = setup_ring(self.args.ring)  # None without --ring_attn_size
+
+    def load(self, model_args, ds_config, **kwargs):
+        """The group's model; with a ring it must run the ring attention exactly (checked)."""
+        model = load_causal_lm(model_args, ds_config, **kwargs)
+        check_ring_model(model, self.ring)
+        self.one_row = self.ring is not None or one_row_per_batch(model.config._attn_implementation)
+        return model
 
     @torch.no_grad()
     def per_token(self, samples, model, forward):
@@ -552,7 +576,7 @@ class GroupMember:
         Returns the step-averaged metrics (rank 0)."""
         args, engine, t0 = self.args, self.engine, time.time()
         micro = args.train.micro_train_batch_size
-        gas = accumulation_steps(args.train.train_batch_size, micro, self.world)
+        gas = accumulation_steps(args.train.train_batch_size, micro, self.world // args.ring.ring_attn_size)
         totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
         for k, samples in enumerate(steps):
             chunks = range(0, len(samples), micro)
@@ -561,6 +585,7 @@ class GroupMember:
             ptx = [to_device(dict(collate(ptx_steps[k][i : i + micro], self.pad_id, max_tokens=self.max_tokens,
                                           one_row=self.one_row), num_micro=gas * self.world), device())
                    if ptx_steps else None for i in chunks]  # PPO-ptx rows, tagged with the step's micro-batches
+            # counted on every rank: a ring counts its samples ring-size times, as its loss is the ring's that often
             tokens, sequences = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in batches),
                                                 sum(not s.get("masked") for s in samples)])
             normaliser = float(max(tokens if args.loss_agg == "token" else sequences, 1))
@@ -568,7 +593,7 @@ class GroupMember:
             step_metrics = {}
             for batch, ptx_b in zip(batches, ptx):
                 extra = {"ptx_batch": ptx_b} if ptx_b is not None else {}
-                loss, metrics = loss_fn(engine, batch, args, normaliser, scale=gas * self.world, **extra)
+                loss, metrics = loss_fn(engine, batch, args, normaliser, gas * self.world, self.ring, **extra)
                 engine.backward(loss)
                 grad_norm = optimizer_step(engine)
                 vllm_diff = max(vllm_diff, metrics.pop("vllm_logp_max_abs_diff", 0.0))
@@ -591,10 +616,8 @@ class PolicyTrainer(GroupMember):
         """Join the actor group (bounded by --rendezvous_timeout) and load the policy."""
         self.join(master_addr, master_port)
         args, self.ckpt_dir = self.args, os.path.join(self.args.ckpt.ckpt_path, "actor")
-        ds_config = deepspeed_config(args.train, self.world)
-        model = load_causal_lm(args.model, ds_config)
-        self.one_row = one_row_per_batch(model.config._attn_implementation)
-        self.engine = create_train_engine(model, args.train, ds_config, num_training_steps)
+        ds_config = ring_deepspeed_config(args.train, self.world, self.ring)
+        self.engine = create_train_engine(self.load(args.model, ds_config), args.train, ds_config, num_training_steps)
         return True
 
     def setup_weight_sync(self, engines):
@@ -606,7 +629,7 @@ class PolicyTrainer(GroupMember):
 
     def logprobs(self, samples):
         """Per-response-token log-probs under the policy before the update."""
-        return self.per_token(samples, self.engine, lambda m, b: token_logps(m, b)[0])
+        return self.per_token(samples, self.engine, lambda m, b: ring_token_logps(m, b, self.ring)[0])
 
     def train(self, steps, ptx_steps=None):
         args = self.args
@@ -626,13 +649,11 @@ class ReferenceRanks(GroupMember):
         """Join the reference group and load the frozen start policy (DeepSpeed inference; ZeRO-3 shards it)."""
         self.join(master_addr, master_port)
         ds_config = deepspeed_eval_config(self.args.train, self.world)
-        model = load_causal_lm(reference_args(self.args), ds_config)
-        self.one_row = one_row_per_batch(model.config._attn_implementation)
-        self.engine = create_eval_engine(model, ds_config)
+        self.engine = create_eval_engine(self.load(reference_args(self.args), ds_config), ds_config)
         return True
 
     def logprobs(self, samples):
-        return self.per_token(samples, self.engine, lambda m, b: token_logps(m, b)[0])
+        return self.per_token(samples, self.engine, lambda m, b: ring_token_logps(m, b, self.ring)[0])
 
 
 class CriticTrainer(GroupMember):
@@ -647,16 +668,16 @@ class CriticTrainer(GroupMember):
         model_args = ModelArgs(pretrain=args.critic_pretrain, attn_implementation=args.model.attn_implementation,
                                gradient_checkpointing=args.model.gradient_checkpointing)
         train_args = dataclasses.replace(args.train, learning_rate=args.critic_learning_rate)
-        ds_config = deepspeed_config(train_args, self.world)
-        model = load_causal_lm(model_args, ds_config, model_cls=AutoModelForSequenceClassification, num_labels=1,
-                               pad_token_id=self.pad_id)
-        self.one_row = one_row_per_batch(model.config._attn_implementation)
+        ds_config = ring_deepspeed_config(train_args, self.world, self.ring)
+        model = self.load(model_args, ds_config, model_cls=AutoModelForSequenceClassification, num_labels=1,
+                          pad_token_id=self.pad_id)
         self.engine = create_train_engine(model, train_args, ds_config, num_training_steps)
         return True
 
     def values(self, samples):
         """Per-response-token values before the update."""
-        return self.per_token(samples, self.engine, lambda m, b: token_values(m, b, self.args.value_head_prefix))
+        return self.per_token(samples, self.engine,
+                              lambda m, b: token_values(m, b, self.args.value_head_prefix, self.ring))
 
     def train(self, steps):
         return self.train_steps(steps, ["values", "returns"], critic_micro_batch_loss)
@@ -730,7 +751,7 @@ def main(args: Args):
     import ray
 
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
-    critic_world = args.critic_num_nodes * args.critic_num_gpus_per_node
+    critic_world, ring_size = args.critic_num_nodes * args.critic_num_gpus_per_node, args.ring.ring_attn_size
     tokenizer = load_tokenizer(args.model.pretrain, args)
     prompts = load_prompts(args.prompt_data, args.prompt_split, args, tokenizer, args.max_samples)
     eval_prompts = args.eval_dataset and load_prompts(args.eval_dataset, args.eval_split, args, tokenizer, 10**9)
@@ -804,14 +825,15 @@ def main(args: Args):
         t0 = time.time()
         policy_pass = not single_update(args) and not off_policy(args)
 
-        def each_rank(members, method):
-            shard = per_step // max(len(members), 1)
-            return [getattr(m, method).remote(samples[r * shard : (r + 1) * shard]) for r, m in enumerate(members)]
+        def each_ring(members, method):  # rank r is in ring r // ring size; each ring's first rank answers
+            shard = per_step // max(len(members) // ring_size, 1)
+            return [getattr(m, method).remote(samples[r // ring_size * shard : (r // ring_size + 1) * shard])
+                    for r, m in enumerate(members)]
 
-        jobs = {"values": each_rank(critics, "values"), "ref_logps": each_rank(references, "logprobs"),
-                "old_logps": each_rank(trainers if policy_pass else [], "logprobs")}
+        jobs = {"values": each_ring(critics, "values"), "ref_logps": each_ring(references, "logprobs"),
+                "old_logps": each_ring(trainers if policy_pass else [], "logprobs")}
         for key, refs in jobs.items():
-            for s, v in zip(samples, [x for shard in roles.get(refs) for x in shard]):
+            for s, v in zip(samples, [x for shard in roles.get(refs)[::ring_size] for x in shard]):
                 s[key] = v
         if off_policy(args):  # the behaviour policy: the weights that sampled them, one update before the actor's
             for s in samples:
@@ -839,14 +861,16 @@ def main(args: Args):
         if args.vllm_enable_sleep:
             roles.get([e.sleep.remote() for e in engines])
         t0 = time.time()
-        critic_steps = split_steps(samples, args, step, critic_world)
-        refs = [c.train.remote(critic_steps[r]) for r, c in enumerate(critics)]
+        critic_steps = split_steps(samples, args, step, critic_world // ring_size)  # per ring, as in step 3
+        refs = [c.train.remote(critic_steps[r // ring_size]) for r, c in enumerate(critics)]
         if not actor_frozen:
-            actor_steps, ptx_steps = split_steps(samples, args, step, world), [None] * world
+            actor_steps = split_steps(samples, args, step, world // ring_size)
+            ptx_steps = [None] * len(actor_steps)
             if ptx:
                 ptx_steps, state["consumed_ptx"] = ptx_steps_for(ptx, actor_steps, state["consumed_ptx"],
                                                                  args.train.seed)
-            refs += [t.train.remote(actor_steps[r], ptx_steps[r]) for r, t in enumerate(trainers)]
+            refs += [t.train.remote(actor_steps[r // ring_size], ptx_steps[r // ring_size])
+                     for r, t in enumerate(trainers)]
         results = roles.get(refs)
         critic_metrics, actor_metrics = results[0], (results[critic_world] if not actor_frozen else {})
         phase("train", t0)

@@ -245,7 +245,7 @@ def _gather(x, ring):
     return all_gather_single_autograd(x.contiguous(), 0, ring.group)
 
 
-def _ring_forward(model, batch, ring):
+def ring_forward(model, batch, ring):
     """Forward this rank's slice of a one-row batch padded to a multiple of the ring size; returns the model
     outputs, the padded row's input ids and the slice bounds [lo, hi)."""
     input_ids, position_ids = batch["input_ids"], batch["position_ids"]
@@ -267,23 +267,28 @@ def _ring_forward(model, batch, ring):
     return outputs, input_ids, lo, hi
 
 
+def ring_next_token_values(local, batch, ring):
+    """Per-position values of this rank's slice (local len,), each about the token after its position (as the
+    log-prob of the next token is), all-gathered over the ring (autograd) and laid out like
+    common.packing.token_logps: (1, width), column t about token t, 0 at each sample's first token."""
+    full = _gather(local, ring)[None, : batch["input_ids"].shape[1] - 1]
+    return F.pad(full, (1, 0)).masked_fill(batch["position_ids"] == 0, 0)
+
+
 def ring_token_logps(model, batch, ring, return_argmax=False):
     """`common.packing.token_logps` for a one-row batch split over `ring`: the same (logps, outputs[, argmax])
     for the whole row on every rank of the ring (`outputs` are this rank's slice's model outputs).
     With ring None, common.packing.token_logps itself."""
     if ring is None:
         return token_logps(model, batch, return_argmax=return_argmax)
-    width = batch["input_ids"].shape[1]
-    outputs, input_ids, lo, hi = _ring_forward(model, batch, ring)
+    outputs, input_ids, lo, hi = ring_forward(model, batch, ring)
     logits = outputs.logits[0].float()
     targets = F.pad(input_ids[0], (0, 1))[lo + 1 : hi + 1]  # next tokens, taken from the whole row
     next_logps = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
-    full = _gather(next_logps, ring)[None, : width - 1]  # full[:, t] = log p(token t + 1 | tokens <= t)
-    starts = batch["position_ids"] == 0
-    logps = F.pad(full, (1, 0)).masked_fill(starts, 0.0)
+    logps = ring_next_token_values(next_logps, batch, ring)
     if return_argmax:
-        hits = _gather((logits.argmax(-1) == targets).float(), ring).detach()[None, : width - 1]
-        return logps, outputs, F.pad(hits, (1, 0)).bool() & ~starts
+        hits = ring_next_token_values((logits.argmax(-1) == targets).float(), batch, ring).detach()
+        return logps, outputs, hits.bool()
     return logps, outputs
 
 
@@ -298,7 +303,7 @@ def ring_sequence_rewards(model, batch, ring, value_head_prefix="score"):
     hf_model, values = unwrap(model), []
     handle = getattr(hf_model, value_head_prefix).register_forward_hook(lambda module, args, out: values.append(out))
     try:
-        _ring_forward(model, batch, ring)
+        ring_forward(model, batch, ring)
     finally:
         handle.remove()
     flat = _gather(values[0][0, :, 0], ring)[: batch["input_ids"].shape[1]]
@@ -317,7 +322,7 @@ def ring_response_logits(model, batch, ring):
     logits of the loss tokens its slice predicts; those rows (not the whole slice's) are all-gathered (autograd)."""
     mask, index = batch["loss_mask"][0], batch["sample_index"][0]
     cols = mask.nonzero().squeeze(1)  # one row, samples in order: row order is sample order
-    outputs, input_ids, lo, hi = _ring_forward(model, batch, ring)
+    outputs, input_ids, lo, hi = ring_forward(model, batch, ring)
     local = hi - lo
     owner = (cols - 1) // local  # the rank whose slice holds the logits that predict each loss token
     counts = torch.bincount(owner, minlength=ring.size).tolist()

@@ -65,7 +65,8 @@ def off_policy(args):
 
 
 def validate_rollout_args(args, world, script):
-    """The checks of the flags every RL driver shares (world: actor trainer ranks); fills --max_model_len."""
+    """The checks of the flags every RL driver shares (world: actor trainer ranks; the script checked its ring
+    flags first); fills --max_model_len."""
     if args.model.aux_loss_coef > 0:
         raise ValueError(f"--aux_loss_coef (MoE load balancing) is not implemented in {script}")
     n = args.n_samples_per_prompt
@@ -75,9 +76,11 @@ def validate_rollout_args(args, world, script):
     if rollout % args.train.train_batch_size:
         raise ValueError(f"--rollout_batch_size {args.rollout_batch_size} x --n_samples_per_prompt {n} = {rollout} "
                          f"samples must be a multiple of --train_batch_size {args.train.train_batch_size}")
-    if rollout % (args.micro_rollout_batch_size * world):
+    rings = world // args.ring.ring_attn_size  # the ranks of a ring share their samples (validate_ring_args)
+    if rollout % (args.micro_rollout_batch_size * rings):
         raise ValueError(f"{rollout} samples per rollout must be a multiple of --micro_rollout_batch_size "
-                         f"{args.micro_rollout_batch_size} x {world} trainer ranks")
+                         f"{args.micro_rollout_batch_size} x {rings} data-parallel trainer ranks (trainer ranks / "
+                         f"--ring_attn_size)")
     if args.agent.agent_func_path:
         validate_agent_args(args)
     elif not (args.remote_rm_url or args.reward_pretrain):

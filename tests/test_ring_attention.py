@@ -2,8 +2,8 @@
 common.varlen_attention's kernels) against one process with transformers' sdpa on the same packed rows:
 per-token log-probs, per-sample sums, loss and gradients on Llama and Qwen2 (4 query / 2 KV heads),
 --ring_head_stride 1 and 2, with and without a pad token; a negative control without K/V exchange that
-fails the same bars; one DeepSpeed ZeRO-2 / ZeRO-3 SGD step against one process; and the argument and
-model checks."""
+fails the same bars; one DeepSpeed ZeRO-2 / ZeRO-3 SGD step against one process; sft.py, dpo.py and the
+trainer groups of grpo.py and ppo.py with a ring against one process; and the argument and model checks."""
 
 import json
 import os
@@ -177,6 +177,48 @@ def test_script_with_a_ring_of_two_equals_data_parallel(assets, tmp_path, script
     print(f"\n{script} ring vs one process, max |diff| / max(1, |value|):", worst)
     assert all(v <= 1e-5 for v in worst.values()), worst
     assert max_weight_diff(tmp_path / "ring", f"{assets}/llama-0.5m") > 1e-4  # the steps did train
+
+
+RL_KEYS = {"grpo": ("train/policy_loss", "train/kl_loss", "train/entropy", "train/grad_norm"),
+           "ppo": ("train/policy_loss", "train/entropy", "train/grad_norm", "train/kl", "critic/value_loss",
+                   "critic/grad_norm", "critic/values", "critic/explained_variance")}
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo"])
+def test_rl_trainers_with_a_ring_of_two_equal_one_rank(assets, rl_start_model, tmp_path, script):
+    """The Ray drivers' trainer groups under `--ring_attn_size 2` (2 ranks, one data-parallel replica; ppo.py:
+    actor, reference and critic each a ring of 2) against one rank each, one step on the same rollout (vLLM
+    samples the same tokens from the same weights and seeds): the losses, KL, entropy, values and gradient
+    norms the trainers log, and vLLM's log-probs against the ring's."""
+    from conftest import max_weight_diff, read_jsonl, run_script
+
+    common = ["--pretrain", rl_start_model, "--prompt_data", f"{assets}/data/reverse/rl_train.jsonl",
+              "--input_key", "prompt", "--label_key", "answer", "--apply_chat_template",
+              "--remote_rm_url", os.path.join(ROOT, "launch", "rewards", "exact_match.py"),
+              "--rollout_batch_size", 8, "--n_samples_per_prompt", 2, "--train_batch_size", 16,
+              "--micro_train_batch_size", 8, "--micro_rollout_batch_size", 8, "--prompt_max_len", 48,
+              "--generate_max_len", 16, "--max_model_len", 128, "--max_steps", 1, "--init_kl_coef", 0.05,
+              "--entropy_loss_coef", 0.01, "--param_dtype", "fp32"]  # fp32: bf16 matmuls round differently per split
+    if script == "grpo":  # the KL in the loss: the reference runs in the trainer's ring
+        common += ["--use_kl_loss", "--actor_learning_rate", 1e-3]
+        ranks = lambda n: ["--actor_num_gpus_per_node", n]  # noqa: E731
+    else:  # the KL in the reward: the actor's log-probs before the update, the reference, the critic, all rings
+        common += ["--actor_learning_rate", 1e-3, "--critic_learning_rate", 1e-3]
+        ranks = lambda n: ["--actor_num_gpus_per_node", n, "--critic_num_gpus_per_node", n]  # noqa: E731
+    runs = {}
+    for name, extra in (("ring", [*ranks(2), "--ring_attn_size", 2]), ("one", ranks(1))):
+        run_script(f"{script}.py", [*common, *extra, "--save_path", tmp_path / name, "--metrics_file",
+                                    tmp_path / f"{name}.jsonl"], timeout=900)
+        (runs[name],) = [m for m in read_jsonl(tmp_path / f"{name}.jsonl") if "train/reward" in m]
+    ring, one = runs["ring"], runs["one"]
+    assert ring["train/reward"] == one["train/reward"] and ring["train/response_length"] == one["train/response_length"]
+    worst = {k: abs(ring[k] - one[k]) / max(abs(one[k]), 1.0) for k in RL_KEYS[script]}
+    print(f"\n{script} ring vs one rank, |diff| / max(1, |value|):", worst)
+    assert all(v <= 1e-5 for v in worst.values()), worst
+    assert ring["check/vllm_logp_max_abs_diff"] <= 1e-4  # the ring's log-probs of the samples are vLLM's
+    assert ring["train/reward_std"] > 0  # the advantages carry a signal
+    assert max_weight_diff(tmp_path / "ring", tmp_path / "one") <= 1e-5
+    assert max_weight_diff(tmp_path / "ring", rl_start_model) > 1e-4  # the step did train
 
 
 def test_a_ring_that_does_not_divide_the_world_fails_before_loading(assets):
