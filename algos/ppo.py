@@ -52,7 +52,7 @@ from common.ring_attention import (  # noqa: E402
     setup_ring, validate_ring_args,
 )
 from common.rl import (  # noqa: E402
-    AsyncArgs, RewardModels, RolloutEngineArgs, RolloutLogArgs, collect_rollout, environment, evaluate,
+    AsyncArgs, RewardModels, RLArgs, RolloutEngineArgs, RolloutLogArgs, collect_rollout, environment, evaluate,
     finish_rollout, join_group, load_prompts, make_batch, model_tokens, off_policy, prompt_at, reference_args,
     rendezvous_address, reward_function, rollout_metrics, rollout_samples, rollout_steps, split_steps, start_group,
     start_ray, trainer_bundles, validate_rollout_args, weight_sync,
@@ -77,7 +77,7 @@ class ActorTrainArgs(TrainArgs):
 
 
 @dataclass
-class Args:
+class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers share (common/rl.py)
     model: ModelArgs = field(default_factory=ModelArgs)
     train: ActorTrainArgs = field(default_factory=ActorTrainArgs)
     engine: RolloutEngineArgs = field(default_factory=RolloutEngineArgs)
@@ -98,73 +98,8 @@ class Args:
     """Critic warm-up: the actor does not update (nor sync) for the first N rollout steps; the critic does."""
     value_head_prefix: str = "score"
     """Name of the value head in the Hugging Face sequence-classification class (as rm.py's flag)."""
-    # -- prompts
-    prompt_data: str = tyro.MISSING
-    """Prompt dataset (any spec common/data.py loads: file, folder, type@dir, hub name)."""
-    prompt_split: str = "train"
-    """Split of --prompt_data."""
-    input_key: str = "input"
-    """Field holding the prompt (a string, or a list of chat messages)."""
-    label_key: Optional[str] = None
-    """Field holding the reference answer passed to the reward function (required in every row when set)."""
-    apply_chat_template: bool = False
-    """Format prompts with the tokenizer's chat template."""
-    input_template: Optional[str] = None
-    """Plain prompt template with one '{}' for the prompt (no chat template)."""
-    tokenizer_chat_template: Optional[str] = None
-    """A Jinja chat template that replaces the tokenizer's own."""
-    max_samples: int = 100_000_000
-    """Use at most this many prompts."""
-    skip_bad_rows: bool = False
-    """Skip and count prompts that are missing fields or longer than --prompt_max_len instead of stopping."""
-    eval_dataset: Optional[str] = None
-    """Held-out prompts (same keys), evaluated every --eval_steps rollout steps and at the start and end."""
-    eval_split: str = "train"
-    """Split of --eval_dataset."""
-    eval_n_samples_per_prompt: int = 4
-    """Samples per held-out prompt: pass@1 is their mean reward, pass@k the mean of each prompt's best."""
-    eval_temperature: float = 0.6
-    """Sampling temperature of the evaluation (0: greedy)."""
-    # -- rewards
-    remote_rm_url: Optional[str] = None
-    """Reward: a .py file defining reward_func(queries, prompts, labels), or an HTTP URL (common/remote_reward.py)."""
-    remote_rm_token: Optional[str] = None
-    """Bearer token for an HTTP --remote_rm_url (default: $MINRLHF_REWARD_TOKEN)."""
-    reward_pretrain: Optional[str] = None
-    """Comma list of reward models exported by rm.py; their scores are summed (and added to --remote_rm_url's)."""
-    normalize_reward: bool = False
-    """Normalise each reward model's score with the mean/std rm.py stored in its config."""
-    reward_clip_range: tuple[float, float] = (-10.0, 10.0)
-    """Clamp each sample's scalar reward to this range."""
-    overlong_buffer_len: int = 0
-    """DAPO overlong penalty: responses longer than --generate_max_len minus this lose reward linearly (0: off)."""
-    overlong_penalty_factor: float = 1.0
-    """Reward lost by a response that fills the whole overlong buffer."""
-    # -- rollouts
     n_samples_per_prompt: int = 1
     """Responses sampled per prompt (the critic is the baseline: 1 is enough)."""
-    rollout_batch_size: int = 32
-    """Prompts per rollout step; samples per step = this x --n_samples_per_prompt."""
-    micro_rollout_batch_size: int = 16
-    """Samples per forward pass when computing log-probs and values before the update."""
-    num_episodes: int = 1
-    """Passes over the prompt data."""
-    max_steps: int = -1
-    """Stop after this many rollout steps (-1: as many as --num_episodes give)."""
-    prompt_max_len: int = 1024
-    """Longest prompt in tokens."""
-    generate_max_len: int = 1024
-    """Longest response in tokens."""
-    temperature: float = 1.0
-    """Rollout sampling temperature."""
-    top_p: float = 1.0
-    """Rollout nucleus sampling mass."""
-    dynamic_filtering: bool = False
-    """DAPO dynamic sampling: drop groups whose rewards are all equal and sample new prompts to refill the batch."""
-    dynamic_filtering_max_rounds: int = 4
-    """Sampling rounds per step for --dynamic_filtering; then the batch is topped up with dropped groups."""
-    mask_truncated_responses: bool = False
-    """Responses cut off at --generate_max_len carry no loss (actor and critic)."""
     # -- PPO-ptx
     pretrain_data: Optional[str] = None
     """PPO-ptx: plain-text dataset whose language-modelling loss is mixed into every actor micro-batch."""
