@@ -19,9 +19,10 @@ appended as the tokens vLLM sampled and the environment's as tokens that carry n
 the advantages. With a chat template each next turn is rendered and must extend the text of the tokens so
 far (only what it adds is tokenised), else the sample forks or the episode is rejected (counted).
 
-Asynchronous rollouts (--async_train --max_staleness 1): the next step's rollout runs in a driver thread
-while the trainer updates; the weight sync waits for it to finish (never overlaps a generation); those
-samples are one update old, and vLLM's log-probs of them are the old policy of the clipped ratio.
+Asynchronous rollouts (--async_train --max_staleness K): a driver thread collects the rollouts of the
+next K steps while the trainer updates; step j's samples come from the weights of update j - K, and a
+weight sync waits until the engines have finished the rollouts due on the old weights (it never
+overlaps a generation); vLLM's log-probs of the samples are the old policy of the clipped ratio.
 
 Differences from OpenRLHF, on purpose: --init_kl_coef defaults to 0 (no reference model, as GRPO
 recipes with verifiable rewards now run); `dr_grpo` also uses Dr. GRPO's constant loss normaliser
@@ -30,7 +31,6 @@ shapes sampling), and vLLM's log-probs of the sampled tokens are checked against
 every step (`check/vllm_logp_max_abs_diff`).
 """
 
-import concurrent.futures
 import math
 import os
 import sys
@@ -56,8 +56,8 @@ from common.ring_attention import (  # noqa: E402
     validate_ring_args,
 )
 from common.rl import (  # noqa: E402
-    AsyncArgs, RewardModels, RLArgs, RolloutEngineArgs, RolloutLogArgs, collect_rollout, environment, evaluate,
-    finish_rollout, join_group, load_prompts, make_batch, model_tokens, off_policy, reference_args,
+    AsyncArgs, RewardModels, RLArgs, RolloutEngineArgs, RolloutLogArgs, Rollouts, collect_rollout, environment,
+    evaluate, join_group, load_prompts, make_batch, model_tokens, off_policy, reference_args,
     rendezvous_address, reward_function, rollout_metrics, rollout_samples, rollout_steps, split_steps, start_group,
     start_ray, trainer_bundles, validate_rollout_args, weight_sync,
 )
@@ -92,7 +92,7 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
     ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
     log: RolloutLogArgs = field(default_factory=RolloutLogArgs)
     agent: AgentArgs = field(default_factory=AgentArgs)  # multi-turn environments (common/episodes.py)
-    async_rollout: AsyncArgs = field(default_factory=AsyncArgs)  # the rollout one step ahead, and its bound
+    async_rollout: AsyncArgs = field(default_factory=AsyncArgs)  # rollouts up to K steps ahead, their bound
     ring: RingArgs = field(default_factory=RingArgs)  # the trainer's (and reference's) rows split over rings
     # -- loss
     advantage_estimator: Literal["group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline"] = "group_norm"
@@ -515,9 +515,7 @@ def main(args: Args):
         return collect_rollout(args, roles, engines, prompts, start, version, reward_fn, reward_models, tokenizer,
                                env_cls)
 
-    # --async_train: one rollout runs ahead in this thread, on the weights of the update before the trainer's
-    rollout_thread = concurrent.futures.ThreadPoolExecutor(1, "rollout") if off_policy(args) else None
-    ready = None  # the next step's rollout, finished before the last weight sync
+    rollouts = Rollouts(args, collect, state["global_step"], total_steps, state["consumed_prompts"])
     bar = progress(range(state["global_step"], total_steps), desc="grpo", initial=state["global_step"],
                    total=total_steps)
     for step in bar:
@@ -530,12 +528,9 @@ def main(args: Args):
 
         # 1-2. this step's prompts, n responses (episodes) each, rewards: collected now, or ahead in the rollout thread
         t0 = time.time()
-        rollout = ready or collect(state["consumed_prompts"], state["global_step"])
+        rollout = rollouts.next(step)
         phase("rollout_wait", t0)
         state["consumed_prompts"] = rollout["end"]
-        pending = None
-        if rollout_thread is not None and step + 1 < total_steps:  # the engines keep these weights until it is done
-            pending = rollout_thread.submit(collect, rollout["end"], state["global_step"])
         samples, raw_rewards = rollout_samples(rollout, args)
         phases.update(2)
 
@@ -572,15 +567,15 @@ def main(args: Args):
         phase("train", t0)
         phases.update(1)
 
-        # 6. push the new weights into every engine, once they have finished the rollout running ahead
+        # 6. push the new weights into every engine, once they have finished the rollouts due on the old ones
         if args.vllm_enable_sleep:
             roles.get([e.wake_up.remote() for e in engines])
         t0 = time.time()
-        ready = pending and finish_rollout(pending, step + 1, timeout_s)
-        phase("rollout_wait", t0)
-        t0 = time.time()
-        sync = roles.get([t.sync_weights.remote() for t in trainers], timeout_s, "weight sync")[0]
-        phase("sync", t0)
+        with rollouts.new_weights():
+            phase("rollout_wait", t0)
+            t0 = time.time()
+            sync = roles.get([t.sync_weights.remote() for t in trainers], timeout_s, "weight sync")[0]
+            phase("sync", t0)
         phases.update(1)
         phases.close()
 
@@ -610,8 +605,6 @@ def main(args: Args):
         if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
             roles.get([t.save_checkpoint.remote(global_step, {"grpo_state": dict(state)}) for t in trainers])
 
-    if rollout_thread is not None:
-        rollout_thread.shutdown()
     roles.get([t.save_model.remote(args.ckpt.save_path) for t in trainers])
     print(f"saved {args.ckpt.save_path}")
     logger.close()

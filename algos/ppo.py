@@ -16,6 +16,10 @@ reference log-probs, critic values -> per-token rewards (-beta x KL_t, the scala
 model token) -> GAE advantages and returns -> actor PPO update (+ PPO-ptx's LM loss) beside the
 critic's value update -> weight sync.
 
+Multi-turn episodes (--agent_func_path), asynchronous rollouts (--async_train --max_staleness K) and ring
+attention (--ring_attn_size, for the actor, reference and critic groups) act as in grpo.py, through the
+same common/ code; GAE runs over the model's own tokens only.
+
 Differences from OpenRLHF, on purpose: GAE skips tokens that are not the model's own (they are not
 steps: values and the running sum carry across them; OpenRLHF zeroes them and runs GAE through,
 which decays over them for lambda < 1); the returns use their own lambda (--lambd_critic, VC-PPO /
@@ -24,7 +28,6 @@ learning rate defaults to grpo.py's 1e-6; log-probs are of the untempered policy
 log-probs of the sampled tokens are checked against the trainer's every step.
 """
 
-import concurrent.futures
 import dataclasses
 import math
 import os
@@ -52,8 +55,8 @@ from common.ring_attention import (  # noqa: E402
     setup_ring, validate_ring_args,
 )
 from common.rl import (  # noqa: E402
-    AsyncArgs, RewardModels, RLArgs, RolloutEngineArgs, RolloutLogArgs, collect_rollout, environment, evaluate,
-    finish_rollout, join_group, load_prompts, make_batch, model_tokens, off_policy, prompt_at, reference_args,
+    AsyncArgs, RewardModels, RLArgs, RolloutEngineArgs, RolloutLogArgs, Rollouts, collect_rollout, environment,
+    evaluate, join_group, load_prompts, make_batch, model_tokens, off_policy, prompt_at, reference_args,
     rendezvous_address, reward_function, rollout_metrics, rollout_samples, rollout_steps, split_steps, start_group,
     start_ray, trainer_bundles, validate_rollout_args, weight_sync,
 )
@@ -84,7 +87,7 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
     ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
     log: RolloutLogArgs = field(default_factory=RolloutLogArgs)
     agent: AgentArgs = field(default_factory=AgentArgs)  # multi-turn environments (common/episodes.py)
-    async_rollout: AsyncArgs = field(default_factory=AsyncArgs)  # the rollout one step ahead, and its bound
+    async_rollout: AsyncArgs = field(default_factory=AsyncArgs)  # rollouts up to K steps ahead, their bound
     ring: RingArgs = field(default_factory=RingArgs)  # every group's rows (actor, reference, critic) split over rings
     # -- the critic
     critic_pretrain: Optional[str] = None
@@ -729,9 +732,7 @@ def main(args: Args):
         return collect_rollout(args, roles, engines, prompts, start, version, reward_fn, reward_models, tokenizer,
                                env_cls)
 
-    # --async_train: one rollout runs ahead in this thread, on the weights of the update before the actor's
-    rollout_thread = concurrent.futures.ThreadPoolExecutor(1, "rollout") if off_policy(args) else None
-    ready = None  # the next step's rollout, finished before the last weight sync
+    rollouts = Rollouts(args, collect, state["global_step"], total_steps, state["consumed_prompts"])
     bar = progress(range(state["global_step"], total_steps), desc="ppo", initial=state["global_step"],
                    total=total_steps)
     for step in bar:
@@ -745,12 +746,9 @@ def main(args: Args):
 
         # 1-2. this step's prompts, n responses (episodes) each, rewards: collected now, or ahead in the rollout thread
         t0 = time.time()
-        rollout = ready or collect(state["consumed_prompts"], state["global_step"])
+        rollout = rollouts.next(step)
         phase("rollout_wait", t0)
         state["consumed_prompts"] = rollout["end"]
-        pending = None
-        if rollout_thread is not None and step + 1 < total_steps:  # the engines keep these weights until it is done
-            pending = rollout_thread.submit(collect, rollout["end"], state["global_step"])
         samples, raw_rewards = rollout_samples(rollout, args)
         phases.update(2)
 
@@ -811,16 +809,17 @@ def main(args: Args):
         phase("train", t0)
         phases.update(1)
 
-        # 6. push the new weights into every engine (unchanged while the actor is frozen)
+        # 6. push the new weights into every engine (unchanged while the actor is frozen), once they have
+        # finished the rollouts due on the old ones
         if args.vllm_enable_sleep:
             roles.get([e.wake_up.remote() for e in engines])
         t0 = time.time()
-        ready = pending and finish_rollout(pending, step + 1, timeout_s)
-        phase("rollout_wait", t0)
-        t0 = time.time()
-        sync = (roles.get([t.sync_weights.remote() for t in trainers], timeout_s, "weight sync")[0]
-                if not actor_frozen else {"bytes": 0})
-        phase("sync", t0)
+        with rollouts.new_weights():
+            phase("rollout_wait", t0)
+            t0 = time.time()
+            sync = (roles.get([t.sync_weights.remote() for t in trainers], timeout_s, "weight sync")[0]
+                    if not actor_frozen else {"bytes": 0})
+            phase("sync", t0)
         phases.update(1)
         phases.close()
 
@@ -865,8 +864,6 @@ def main(args: Args):
             roles.get([c.save_checkpoint.remote(global_step, {"ppo_state": dict(state)}) for c in critics])
             roles.get([t.save_checkpoint.remote(global_step, {"ppo_state": dict(state)}) for t in trainers])
 
-    if rollout_thread is not None:
-        rollout_thread.shutdown()
     roles.get([t.save_model.remote(args.ckpt.save_path) for t in trainers])
     roles.get([c.save_model.remote(os.path.join(args.ckpt.save_path, "critic")) for c in critics])
     print(f"saved {args.ckpt.save_path} (critic: {os.path.join(args.ckpt.save_path, 'critic')})")

@@ -6,10 +6,12 @@ each script.
 Every function takes the script's own `args` and reads the flags both scripts name the same way.
 """
 
-import concurrent.futures
+import contextlib
 import math
 import os
+import queue
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Annotated, Optional
@@ -123,11 +125,11 @@ class RolloutLogArgs(LogArgs):
 @dataclass
 class AsyncArgs:
     async_train: bool = False
-    """Generate the next step's samples while the trainer updates on this step's (one step off-policy)."""
+    """Generate the next steps' samples (up to --max_staleness ahead) while the trainer updates on this step's."""
     max_staleness: int = 1
-    """With --async_train: the most policy updates between the weights that generated a sample and the update that
-    trains on it (0: no overlap, the synchronous run). One rollout runs ahead, so any K >= 1 trains one update
-    off-policy, with vLLM's log-probs as the old policy."""
+    """With --async_train: K, the policy updates between the weights that generate a step's samples and the update
+    that trains on them: rollouts run up to K steps ahead, step j's on the weights of update max(j - K, 0) exactly
+    (0: no overlap, the synchronous run). vLLM's log-probs are the old policy of the clipped ratio."""
     rollout_timeout: float = 1800.0
     """Seconds the driver waits for a step's rollout (engines, environment, rewards), and for the engines to finish
     it before a weight sync; then it stops naming who is late."""
@@ -488,13 +490,68 @@ def collect_rollout(args, roles, engines, prompts, start, version, reward_fn, re
             "timing": timing}
 
 
-def finish_rollout(pending, step, timeout_s):
-    """The result of a rollout running in the rollout thread (its errors re-raised), within --rollout_timeout."""
-    try:
-        return pending.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
-        raise RoleFailed(f"vLLM engines (the rollout of step {step + 1} in the rollout thread): not finished "
-                         f"within {timeout_s:.0f} s (--rollout_timeout)") from None
+class Rollouts:
+    """Each step's rollout (collect(prompt position, policy version) -> rollout). Synchronous: collected when the
+    step asks. With --async_train (K = --max_staleness > 0) a thread collects them ahead: step j's on the weights
+    of update max(j - K, 0) exactly, and a weight sync waits until every rollout due on the weights it replaces is
+    collected, so it never overlaps a generation. Every wait is bounded by --rollout_timeout."""
+
+    def __init__(self, args, collect, first_step, total_steps, position):
+        self.collect, self.position, self.version, self.total = collect, position, first_step, total_steps
+        self.ahead = args.async_rollout.max_staleness if off_policy(args) else None
+        self.timeout_s, self.changed = args.async_rollout.rollout_timeout, threading.Condition()
+        if self.ahead is not None:
+            self.ready, self.collected, self.error = queue.Queue(), first_step, None
+            threading.Thread(target=self._collect_ahead, args=(first_step,), daemon=True, name="rollout").start()
+
+    def _collect_ahead(self, first_step):
+        try:
+            for j in range(first_step, self.total):
+                with self.changed:
+                    self.changed.wait_for(lambda: self.version >= j - self.ahead)
+                rollout = self.collect(self.position, self.version)
+                self.position = rollout["end"]
+                self.ready.put(rollout)
+                with self.changed:
+                    self.collected = j + 1
+                    self.changed.notify_all()
+        except BaseException as e:  # re-raised where the driver waits
+            self.ready.put(e)
+            with self.changed:
+                self.error = e
+                self.changed.notify_all()
+
+    def next(self, step):
+        """The rollout of `step` (0-based)."""
+        if self.ahead is None:
+            rollout = self.collect(self.position, self.version)
+            self.position = rollout["end"]
+            return rollout
+        try:
+            rollout = self.ready.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise RoleFailed(f"vLLM engines (the rollout of step {step + 1} in the rollout thread): not finished "
+                             f"within {self.timeout_s:.0f} s (--rollout_timeout)") from None
+        if isinstance(rollout, BaseException):
+            raise rollout
+        return rollout
+
+    @contextlib.contextmanager
+    def new_weights(self):
+        """Around a weight sync (or an update that changed no weight): first the engines finish the rollouts due
+        on the weights they hold."""
+        if self.ahead is not None:
+            due = min(self.version + self.ahead + 1, self.total)
+            with self.changed:
+                if not self.changed.wait_for(lambda: self.collected >= due or self.error, timeout=self.timeout_s):
+                    raise RoleFailed(f"vLLM engines (the rollouts up to step {due} in the rollout thread): not "
+                                     f"finished within {self.timeout_s:.0f} s (--rollout_timeout)")
+                if self.error is not None:
+                    raise self.error
+        yield
+        with self.changed:
+            self.version += 1
+            self.changed.notify_all()
 
 
 def rollout_samples(rollout, args):

@@ -1,6 +1,7 @@
 """algos/grpo.py --async_train end to end (real Ray, vLLM, DeepSpeed on CPU): --max_staleness 0 is the
 synchronous run exactly; --max_staleness 1 trains each step on samples of the weights one update old (the
-versions are asserted), still learns, and refuses a loss without a trust region."""
+versions are asserted), still learns, and refuses a loss without a trust region; --max_staleness 2 runs two
+rollouts ahead."""
 
 import pytest
 
@@ -48,6 +49,18 @@ def test_one_step_off_policy_learns(assets, rl_start_model, tmp_path):
     evals = [m["eval/pass@1"] for m in metrics if "eval/pass@1" in m]
     assert sum(rewards[-4:]) / 4 - sum(rewards[:4]) / 4 >= 0.03, rewards  # measured 0.529 -> 0.615 (first / last 4)
     assert evals[-1] - evals[0] >= 0.04, evals  # measured 0.66 -> 0.745 (greedy exact match, 200 held-out prompts)
+
+
+def test_rollouts_run_up_to_k_steps_ahead(assets, rl_start_model, tmp_path):
+    """--max_staleness 2: the rollout thread runs two steps ahead; step j trains on the samples of the weights of
+    update max(j - 2, 0) exactly (the weight sync waits for the rollouts due on the old weights)."""
+    args = grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 8, "--train_batch_size", 64,
+                     "--actor_learning_rate", 1e-4, "--max_steps", 5, "--async_train", "--max_staleness", 2)
+    args[args.index("--eval_dataset"): args.index("--eval_dataset") + 2] = []
+    run_script("grpo.py", args, timeout=900)
+    steps = steps_of(tmp_path / "metrics.jsonl")
+    assert [m["async/policy_version"] for m in steps] == [0, 0, 0, 1, 2]
+    assert [m["async/staleness"] for m in steps] == [0, 1, 2, 2, 2]
 
 
 def test_off_policy_needs_a_trust_region(assets):
