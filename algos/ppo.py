@@ -158,6 +158,9 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
     """Put actor, reference, critic, vLLM engines and reward models on the actor's devices."""
     vllm_enable_sleep: bool = False
     """Sleep the vLLM engines while training (CUDA; a logged no-op on CPU)."""
+    deepspeed_enable_sleep: bool = False
+    """With --colocate_all_models: move the actor's and the critic's DeepSpeed states (weights, gradients, optimizer)
+    off the device while they are idle, and train the two one after the other (ZeRO-1/2; ZeRO-3 needs CUDA)."""
     ray_address: Optional[str] = None
     """Join this Ray cluster (default: start a local Ray)."""
     startup_timeout: float = 900.0
@@ -193,6 +196,10 @@ def parse_args(argv=None):
     if args.colocate_all_models and critic_world > world:
         raise ValueError(f"--colocate_all_models puts each critic rank on an actor device: {critic_world} critic "
                          f"ranks for {world} actor ranks")
+    if args.deepspeed_enable_sleep and not (args.colocate_all_models and args.train.zero_stage > 0
+                                            and not args.train.adam_offload and not args.train.param_offload):
+        raise ValueError("--deepspeed_enable_sleep moves ZeRO states off the device between phases: it needs "
+                         "--colocate_all_models and --zero_stage 1-3, without --adam_offload / --param_offload")
     if args.colocate_actor_ref and args.init_kl_coef <= 0:
         raise ValueError("--colocate_actor_ref needs --init_kl_coef > 0 (without a KL term no reference is loaded)")
     if args.colocate_critic_reward and not args.reward_pretrain:
@@ -463,6 +470,7 @@ class GroupMember:
     def __init__(self, args: Args, rank, world, pad_id, ranks_per_node):
         self.args, self.rank, self.world, self.pad_id, self.ranks_per_node = args, rank, world, pad_id, ranks_per_node
         self.max_tokens = args.prompt_max_len + args.generate_max_len  # packed row length: the longest sample
+        self.asleep = False
 
     def address(self):
         return rendezvous_address()
@@ -479,9 +487,22 @@ class GroupMember:
         self.one_row = self.ring is not None or one_row_per_batch(model.config._attn_implementation)
         return model
 
+    def sleep(self):
+        """--deepspeed_enable_sleep: this rank's DeepSpeed states off the device until a method wakes them."""
+        if not self.asleep:
+            self.engine.offload_states(pin_memory=torch.cuda.is_available())
+        self.asleep = True
+        return True
+
+    def wake(self):
+        if self.asleep:
+            self.engine.reload_states()
+        self.asleep = False
+
     @torch.no_grad()
     def per_token(self, samples, model, forward):
         """forward(model, batch) over micro-batches of --micro_rollout_batch_size, cut to each response."""
+        self.wake()
         was_training, out = model.training, []
         model.eval()
         micro = self.args.micro_rollout_batch_size
@@ -494,6 +515,7 @@ class GroupMember:
         return out
 
     def save_checkpoint(self, step, client_state):
+        self.wake()
         save_checkpoint(self.engine, self.ckpt_dir, step, client_state, self.args.ckpt.max_ckpt_num)
         return True
 
@@ -512,6 +534,7 @@ class GroupMember:
     def train_steps(self, steps, values, loss_fn, ptx_steps=None):
         """steps: this rank's samples of each optimizer step (ptx_steps: its pretraining rows, as many).
         Returns the step-averaged metrics (rank 0)."""
+        self.wake()
         args, engine, t0 = self.args, self.engine, time.time()
         micro = args.train.micro_train_batch_size
         gas = accumulation_steps(args.train.train_batch_size, micro, self.world // args.ring.ring_attn_size)
@@ -563,6 +586,7 @@ class PolicyTrainer(GroupMember):
         return True
 
     def sync_weights(self):
+        self.wake()
         return self.weight_sync.sync(self.engine)
 
     def logprobs(self, samples):
@@ -576,6 +600,7 @@ class PolicyTrainer(GroupMember):
         return self.train_steps(steps, values, micro_batch_loss, ptx_steps)
 
     def save_model(self, path):
+        self.wake()
         tokenizer = load_tokenizer(self.args.model.pretrain, self.args)
         save_hf_model(self.engine, tokenizer, path, merge_lora=self.args.ckpt.merge_lora,
                       base_path=self.args.model.pretrain)
@@ -622,6 +647,7 @@ class CriticTrainer(GroupMember):
 
     def save_model(self, path):
         """An AutoModelForSequenceClassification directory, as rm.py exports."""
+        self.wake()
         save_hf_model(self.engine, load_tokenizer(self.args.model.pretrain, self.args), path)
         return True
 
@@ -722,6 +748,11 @@ def main(args: Args):
             roles.get([t.sync_weights.remote() for t in trainers])  # the engines still hold the start weights
         print(f"resumed from {args.ckpt.ckpt_path} at step {state['global_step']}" if loaded else
               f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
+    def rest(members):  # --deepspeed_enable_sleep: their DeepSpeed states off the device until next needed
+        if args.deepspeed_enable_sleep:
+            roles.get([m.sleep.remote() for m in members])
+
+    rest(trainers + critics)
     logger = MetricsLogger(args.log, asdict(args), True)
     if eval_prompts and state["global_step"] == 0:
         metrics = evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer, env_cls)
@@ -771,6 +802,7 @@ def main(args: Args):
         if off_policy(args):  # the behaviour policy: the weights that sampled them, one update before the actor's
             for s in samples:
                 s["old_logps"] = s["vllm_logps"]
+        rest(trainers)
         phase("logprobs_values", t0)
         phases.update(1)
 
@@ -790,12 +822,16 @@ def main(args: Args):
         flat_mask = torch.cat(masks).bool()
         flat_values, flat_returns = torch.cat(values)[flat_mask], torch.cat(returns)[flat_mask]
 
-        # 5. updates: the critic always, the actor after --freezing_actor_steps; side by side
+        # 5. updates: the critic always, the actor after --freezing_actor_steps; side by side (one after the
+        # other with --deepspeed_enable_sleep)
         if args.vllm_enable_sleep:
             roles.get([e.sleep.remote() for e in engines])
         t0 = time.time()
         critic_steps = split_steps(samples, args, step, critic_world // ring_size)  # per ring, as in step 3
         refs = [c.train.remote(critic_steps[r // ring_size]) for r, c in enumerate(critics)]
+        if args.deepspeed_enable_sleep:  # the critic's states leave the device before the actor's return
+            roles.get(refs)
+            rest(critics)
         if not actor_frozen:
             actor_steps = split_steps(samples, args, step, world // ring_size)
             ptx_steps = [None] * len(actor_steps)
@@ -819,6 +855,7 @@ def main(args: Args):
             t0 = time.time()
             sync = (roles.get([t.sync_weights.remote() for t in trainers], timeout_s, "weight sync")[0]
                     if not actor_frozen else {"bytes": 0})
+            rest(trainers)
             phase("sync", t0)
         phases.update(1)
         phases.close()
@@ -863,6 +900,7 @@ def main(args: Args):
             # the critic first: the actor's `latest` is the commit point a resume reads
             roles.get([c.save_checkpoint.remote(global_step, {"ppo_state": dict(state)}) for c in critics])
             roles.get([t.save_checkpoint.remote(global_step, {"ppo_state": dict(state)}) for t in trainers])
+        rest(trainers + critics)  # a save woke them
 
     roles.get([t.save_model.remote(args.ckpt.save_path) for t in trainers])
     roles.get([c.save_model.remote(os.path.join(args.ckpt.save_path, "critic")) for c in critics])

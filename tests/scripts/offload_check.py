@@ -1,0 +1,45 @@
+"""Driver for tests/test_ppo.py: one process, a DeepSpeed engine of a tiny model (ZeRO stage from argv) trained
+3 steps twice from the same start, once with its states moved off the device and back
+between steps (ppo.py's --deepspeed_enable_sleep: engine.offload_states / reload_states), once without;
+prints the largest weight difference as JSON."""
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from common.engine import (  # noqa: E402
+    ModelArgs, TrainArgs, create_train_engine, deepspeed_config, gathered_state_dict, init_distributed,
+    load_causal_lm, optimizer_step,
+)
+from common.packing import collate, token_logps  # noqa: E402
+
+
+def train(model_path, zero_stage, offload):
+    train_args = TrainArgs(train_batch_size=2, micro_train_batch_size=2, zero_stage=zero_stage, learning_rate=1e-2,
+                           param_dtype="fp32")
+    ds_config = deepspeed_config(train_args, 1)
+    engine = create_train_engine(load_causal_lm(ModelArgs(pretrain=model_path), ds_config),
+                                 train_args, ds_config, num_training_steps=3)
+    batch = collate([{"input_ids": [3, 100 + i, 101, 102, 103], "loss_mask": [1] * 5} for i in range(2)], 0)
+    for _ in range(3):
+        logps, _ = token_logps(engine, batch)
+        engine.backward(-(logps * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
+        optimizer_step(engine)
+        if offload:
+            engine.offload_states(pin_memory=torch.cuda.is_available())
+            engine.reload_states()
+    return {k: v.float().clone() for k, v in gathered_state_dict(engine).items()}
+
+
+if __name__ == "__main__":
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ["MASTER_PORT"])
+    model_path, zero_stage = sys.argv[1], int(sys.argv[2])
+    init_distributed()
+    plain, slept = (train(model_path, zero_stage, offload) for offload in (False, True))
+    start = load_causal_lm(ModelArgs(pretrain=model_path)).state_dict()
+    print(json.dumps({"max_diff": max((plain[k] - slept[k]).abs().max().item() for k in plain),
+                      "moved": max((plain[k] - start[k]).abs().max().item() for k in plain)}))
