@@ -1,7 +1,7 @@
 """Driver for tests/test_ppo.py: one process, a DeepSpeed engine of a tiny model (ZeRO stage from argv) trained
 3 steps twice from the same start, once with its states moved off the device and back
 between steps (ppo.py's --deepspeed_enable_sleep: engine.offload_states / reload_states), once without;
-prints the largest weight difference as JSON."""
+prints the largest weight difference, and on CUDA the device memory the first offload freed, as JSON."""
 
 import json
 import os
@@ -11,10 +11,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from common.engine import (  # noqa: E402
-    ModelArgs, TrainArgs, create_train_engine, deepspeed_config, gathered_state_dict, init_distributed,
+    ModelArgs, TrainArgs, create_train_engine, deepspeed_config, device, gathered_state_dict, init_distributed,
     load_causal_lm, optimizer_step,
 )
-from common.packing import collate, token_logps  # noqa: E402
+from common.packing import collate, to_device, token_logps  # noqa: E402
 
 
 def train(model_path, zero_stage, offload):
@@ -23,15 +23,19 @@ def train(model_path, zero_stage, offload):
     ds_config = deepspeed_config(train_args, 1)
     engine = create_train_engine(load_causal_lm(ModelArgs(pretrain=model_path), ds_config),
                                  train_args, ds_config, num_training_steps=3)
-    batch = collate([{"input_ids": [3, 100 + i, 101, 102, 103], "loss_mask": [1] * 5} for i in range(2)], 0)
+    batch = to_device(collate([{"input_ids": [3, 100 + i, 101, 102, 103], "loss_mask": [1] * 5} for i in range(2)], 0),
+                      device())
+    freed = []
     for _ in range(3):
         logps, _ = token_logps(engine, batch)
         engine.backward(-(logps * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
         optimizer_step(engine)
         if offload:
+            before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
             engine.offload_states(pin_memory=torch.cuda.is_available())
+            freed.append(before - (torch.cuda.memory_allocated() if torch.cuda.is_available() else 0))
             engine.reload_states()
-    return {k: v.float().clone() for k, v in gathered_state_dict(engine).items()}
+    return {k: v.float().cpu().clone() for k, v in gathered_state_dict(engine).items()}, freed[:1]
 
 
 if __name__ == "__main__":
@@ -39,7 +43,7 @@ if __name__ == "__main__":
                       MASTER_PORT=os.environ["MASTER_PORT"])
     model_path, zero_stage = sys.argv[1], int(sys.argv[2])
     init_distributed()
-    plain, slept = (train(model_path, zero_stage, offload) for offload in (False, True))
+    (plain, _), (slept, freed) = (train(model_path, zero_stage, offload) for offload in (False, True))
     start = load_causal_lm(ModelArgs(pretrain=model_path)).state_dict()
     print(json.dumps({"max_diff": max((plain[k] - slept[k]).abs().max().item() for k in plain),
-                      "moved": max((plain[k] - start[k]).abs().max().item() for k in plain)}))
+                      "moved": max((plain[k] - start[k]).abs().max().item() for k in plain), "freed_bytes": freed[0]}))
