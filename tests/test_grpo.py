@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from common.packing import token_logps
 from conftest import ROOT, load_algo, read_jsonl, run_script
 
 grpo = load_algo("grpo")
@@ -135,7 +136,7 @@ def test_skipped_old_logprob_pass_equals_the_plain_path(assets):
                for i in range(6)]
     with torch.no_grad():
         batch = grpo.make_batch(samples, 0, 64, False, ["advantages", "vllm_logps"])
-        logps, _ = grpo.token_logps(model, batch)
+        logps, _ = token_logps(model, batch)
     for s, t in zip(samples, grpo.unpack(logps, batch)):
         s["old_logps"] = t[len(s["prompt_ids"]):].tolist()
     results = []
@@ -180,7 +181,7 @@ def test_shared_prompt_batch_equals_whole_samples(assets):
         loss, metrics = grpo.micro_batch_loss(model, batch, args, 30.0)
         loss.backward()
         with torch.no_grad():
-            logps, _ = grpo.token_logps(model, batch)
+            logps, _ = token_logps(model, batch)
         per_response = [t[p:] for p, t in zip(batch["response_offsets"], grpo.unpack(logps, batch))]
         results.append((batch["input_ids"].numel(), loss.item(), metrics, per_response,
                         torch.cat([p.grad.flatten() for p in model.parameters()])))
