@@ -265,7 +265,8 @@ def checked_episode(out, generate, where, budget):
     """The Episode an episode() function returned, checked: segments (token ids, trainable, log-probs), the first
     (the prompt) not trainable, each trainable one a model turn as generate sampled it (or its start) right after the
     tokens generate was given, one log-prob per token; a finite reward; at most `budget` tokens. None: the episode
-    is rejected, its last model turn kept as a sample without loss. Turns and finish reason are generate's."""
+    is rejected, its last model turn kept as a sample without loss. Reward, forks (the times the function restarted
+    the sample) and rejected are the function's; turns and finish reason generate's."""
     calls = generate.calls
     if out is None:
         if not calls:
@@ -278,6 +279,8 @@ def checked_episode(out, generate, where, budget):
                          f"{type(out).__name__}")
     if not (isinstance(out.reward, (int, float)) and not isinstance(out.reward, bool) and math.isfinite(out.reward)):
         raise ValueError(f"{where}: the Episode's reward must be a finite number, got {out.reward!r}"[:400])
+    if not (isinstance(out.forks, int) and not isinstance(out.forks, bool) and out.forks >= 0):
+        raise ValueError(f"{where}: the Episode's forks must be a count (int >= 0), got {out.forks!r}"[:400])
     if not isinstance(out.segments, (list, tuple)) or not out.segments:
         raise ValueError(f"{where}: the Episode's segments must be a non-empty list of (token_ids, trainable, "
                          f"logprobs), got {out.segments!r}"[:400])
@@ -309,7 +312,7 @@ def checked_episode(out, generate, where, budget):
         raise ValueError(f"{where}: the Episode has no trainable segment (return None to reject an episode)")
     if len(seen) > budget:
         raise ValueError(f"{where}: the Episode has {len(seen)} tokens, more than --max_episode_tokens {budget}")
-    return Episode(segments, float(out.reward), turns=len(calls), rejected=out.rejected, done=True,
+    return Episode(segments, float(out.reward), turns=len(calls), forks=out.forks, rejected=out.rejected, done=True,
                    finish_reason=calls[-1][3])
 
 

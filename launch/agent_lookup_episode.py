@@ -17,13 +17,13 @@ def episode(generate, prompt, label, tokenizer, args):
     messages = [{"role": "user", "content": prompt}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     segments = [(tokenizer(text, add_special_tokens=False)["input_ids"], False, None)]
-    answer = " ".join(reversed(label.split()))
+    answer, forks = " ".join(reversed(label.split())), 0
     for turn in range(1, args.agent.max_turns + 1):
         ids, logps = generate([t for seg, _, _ in segments for t in seg])
         segments.append((ids, True, logps))  # the model's turn, as sampled
         action = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         if turn > 1 and action.strip() == answer:
-            return Episode(segments, reward=1.0 if turn == 2 else 0.5)
+            return Episode(segments, reward=1.0 if turn == 2 else 0.5, forks=forks)
         if turn == args.agent.max_turns:
             break
         # the environment's answer as the next user turn: the tokens of what the rendered conversation adds
@@ -32,10 +32,13 @@ def episode(generate, prompt, label, tokenizer, args):
         seen = tokenizer.decode([t for seg, _, _ in segments for t in seg], skip_special_tokens=False,
                                 clean_up_tokenization_spaces=False)
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        if not text.startswith(seen):
-            return None  # the template rewrote history: reject the episode
-        observation = tokenizer(text[len(seen):], add_special_tokens=False)["input_ids"]
-        if sum(len(seg) for seg, _, _ in segments) + len(observation) >= args.agent.max_episode_tokens:
+        if text.startswith(seen):
+            grown = segments + [(tokenizer(text[len(seen):], add_special_tokens=False)["input_ids"], False, None)]
+        elif args.agent.episode_mismatch == "reject":  # the template rewrote history: no loss
+            return None
+        else:  # fork: the sample restarts at the rendered conversation, earlier turns become context without loss
+            grown = [(tokenizer(text, add_special_tokens=False)["input_ids"], False, None)]
+        if sum(len(seg) for seg, _, _ in grown) >= args.agent.max_episode_tokens:
             break  # no room for another model turn
-        segments.append((observation, False, None))
-    return Episode(segments, reward=0.0)
+        segments, forks = grown, forks + (not text.startswith(seen))
+    return Episode(segments, reward=0.0, forks=forks)

@@ -231,14 +231,19 @@ def test_multiturn_lookup_task_learns(assets, rl_start_model, tmp_path):
 LOOKUP_EPISODE = os.path.join(ROOT, "launch", "agent_lookup_episode.py")
 
 
-def test_episode_function_is_the_env_on_the_same_samples(assets, rl_start_model):
+@pytest.mark.parametrize("template", ["own", "fork", "reject"])
+def test_episode_function_is_the_env_on_the_same_samples(assets, rl_start_model, template):
     """The lookup task as an episode() function gives, with the same seeds, exactly the Env version's episodes:
-    the same engine calls, segments (ids, trainable, log-probs), rewards and turns; its segments concatenate to what
-    the engine saw."""
+    the same engine calls, segments (ids, trainable, log-probs), rewards, turns, forks and rejects, with the tiny
+    chat template and with one that rewrites history (--episode_mismatch fork / reject); its segments concatenate
+    to what the engine saw."""
     from transformers import AutoTokenizer
 
-    args = agent_args(assets, "--max_episode_tokens", "128")  # room for 3 turns: no episode is cut off by the budget
+    # room for 3 turns: no episode is cut off by the budget
+    args = agent_args(assets, "--max_episode_tokens", "128", *(["--episode_mismatch", template] * (template != "own")))
     tokenizer = AutoTokenizer.from_pretrained(rl_start_model)
+    if template != "own":
+        tokenizer.chat_template = REWRITING_TEMPLATE
     prompts = lookup_prompts(assets, tokenizer, args, 8)
     seeds = list(range(21, 29))
     by_env, by_function = RecordingHF(rl_start_model), RecordingHF(rl_start_model)
@@ -250,8 +255,10 @@ def test_episode_function_is_the_env_on_the_same_samples(assets, rl_start_model)
     episodes = [e for g in run_episodes(args, func, by_function, tokenizer, prompts, 2, 1.0, seeds) for e in g]
     assert len(episodes) == 16 and all(len(e.tokens()) < 128 for e in env_episodes)
     for e, want in zip(episodes, env_episodes):
-        assert e.segments == want.segments and e.reward == want.reward and e.turns == want.turns
-        assert e.finish_reason == want.finish_reason and not e.rejected and e.forks == 0
+        assert (e.reward, e.turns, e.forks, e.rejected, e.finish_reason) == (
+            want.reward, want.turns, want.forks, want.rejected, want.finish_reason)
+        # a rejected episode keeps its last model turn after what the engine was given, as one context segment
+        assert e.segments == want.segments if not e.rejected else e.tokens() == want.tokens()
     assert sorted(map(tuple, (c[0] for c in by_function.calls))) == sorted(map(tuple, (c[0] for c in by_env.calls)))
     calls = {(tuple(given), tuple(s.output_ids), tuple(s.logprobs)) for given, s in by_function.calls}
     for e in episodes:
@@ -259,9 +266,14 @@ def test_episode_function_is_the_env_on_the_same_samples(assets, rl_start_model)
         for ids, trainable, logps in e.segments:
             assert not trainable or (tuple(seen), tuple(ids), tuple(logps)) in calls
             seen += ids
-    # measured: one episode right on its third turn (0.5), one on its second (1.0, 2 turns), the rest wrong
-    assert [e.reward for e in episodes] == [0.0] * 6 + [0.5] + [0.0] * 6 + [1.0, 0.0, 0.0]
-    assert [e.turns for e in episodes] == [3] * 13 + [2] + [3] * 2
+    if template == "own":  # measured: one episode right on its third turn (0.5), one on its second, the rest wrong
+        assert [e.reward for e in episodes] == [0.0] * 6 + [0.5] + [0.0] * 6 + [1.0, 0.0, 0.0]
+        assert [e.turns for e in episodes] == [3] * 13 + [2] + [3] * 2
+        assert sum(e.forks for e in episodes) == 0
+    elif template == "fork":
+        assert all(e.forks == e.turns - 1 >= 1 and not e.rejected for e in episodes)
+    else:
+        assert all(e.rejected and e.turns == 1 for e in episodes)
 
 
 def write_episode_file(tmp_path, name, body):
