@@ -223,3 +223,149 @@ def test_multiturn_lookup_task_learns(assets, rl_start_model, tmp_path):
     assert evals[-1] - evals[0] >= 0.15, evals
     assert sum(rewards[-4:]) / 4 - sum(rewards[:4]) / 4 >= 0.1, rewards
     assert max(m["check/vllm_logp_max_abs_diff"] for m in steps) <= 1e-4  # measured ~2e-5 on the model's tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# The full-control form: an episode() function (launch/agent_lookup_episode.py)
+# ----------------------------------------------------------------------------------------------
+LOOKUP_EPISODE = os.path.join(ROOT, "launch", "agent_lookup_episode.py")
+
+
+@pytest.mark.parametrize("template", ["own", "fork", "reject"])
+def test_episode_function_is_the_env_on_the_same_samples(assets, rl_start_model, template):
+    """The lookup task as an episode() function gives, with the same seeds, exactly the Env version's episodes:
+    the same engine calls, segments (ids, trainable, log-probs), rewards, turns, forks and rejects, with the tiny
+    chat template and with one that rewrites history (--episode_mismatch fork / reject); its segments concatenate
+    to what the engine saw."""
+    from transformers import AutoTokenizer
+
+    # room for 3 turns: no episode is cut off by the budget
+    args = agent_args(assets, "--max_episode_tokens", "128", *(["--episode_mismatch", template] * (template != "own")))
+    tokenizer = AutoTokenizer.from_pretrained(rl_start_model)
+    if template != "own":
+        tokenizer.chat_template = REWRITING_TEMPLATE
+    prompts = lookup_prompts(assets, tokenizer, args, 8)
+    seeds = list(range(21, 29))
+    by_env, by_function = RecordingHF(rl_start_model), RecordingHF(rl_start_model)
+    env_episodes = [e for g in run_episodes(args, load_env(LOOKUP_ENV), by_env, tokenizer, prompts, 2, 1.0, seeds)
+                    for e in g]
+    args.agent.agent_func_path = LOOKUP_EPISODE
+    func = load_env(LOOKUP_EPISODE)
+    assert not isinstance(func, type)
+    episodes = [e for g in run_episodes(args, func, by_function, tokenizer, prompts, 2, 1.0, seeds) for e in g]
+    assert len(episodes) == 16 and all(len(e.tokens()) < 128 for e in env_episodes)
+    for e, want in zip(episodes, env_episodes):
+        assert (e.reward, e.turns, e.forks, e.rejected, e.finish_reason) == (
+            want.reward, want.turns, want.forks, want.rejected, want.finish_reason)
+        # a rejected episode keeps its last model turn after what the engine was given, as one context segment
+        assert e.segments == want.segments if not e.rejected else e.tokens() == want.tokens()
+    assert sorted(map(tuple, (c[0] for c in by_function.calls))) == sorted(map(tuple, (c[0] for c in by_env.calls)))
+    calls = {(tuple(given), tuple(s.output_ids), tuple(s.logprobs)) for given, s in by_function.calls}
+    for e in episodes:
+        seen = []
+        for ids, trainable, logps in e.segments:
+            assert not trainable or (tuple(seen), tuple(ids), tuple(logps)) in calls
+            seen += ids
+    if template == "own":  # measured: one episode right on its third turn (0.5), one on its second, the rest wrong
+        assert [e.reward for e in episodes] == [0.0] * 6 + [0.5] + [0.0] * 6 + [1.0, 0.0, 0.0]
+        assert [e.turns for e in episodes] == [3] * 13 + [2] + [3] * 2
+        assert sum(e.forks for e in episodes) == 0
+    elif template == "fork":
+        assert all(e.forks == e.turns - 1 >= 1 and not e.rejected for e in episodes)
+    else:
+        assert all(e.rejected and e.turns == 1 for e in episodes)
+
+
+def write_episode_file(tmp_path, name, body):
+    path = tmp_path / f"{name}.py"
+    path.write_text("from common.episodes import Episode\n\n\ndef episode(generate, prompt, label, tokenizer, args):\n"
+                    "    ids = tokenizer(tokenizer.apply_chat_template([{'role': 'user', 'content': prompt}], "
+                    "tokenize=False, add_generation_prompt=True), add_special_tokens=False)['input_ids']\n"
+                    + "".join(f"    {line}\n" for line in body))
+    return str(path)
+
+
+def test_bad_episode_functions(assets, rl_start_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    both = tmp_path / "both.py"
+    both.write_text("class Env:\n    pass\n\n\ndef episode(generate, prompt, label, tokenizer, args):\n    pass\n")
+    with pytest.raises(ValueError, match=f"--agent_func_path {both}: defines both class Env and episode"):
+        load_env(str(both))
+    two_args = tmp_path / "two_args.py"
+    two_args.write_text("def episode(generate, prompt):\n    pass\n")
+    with pytest.raises(ValueError, match=r"episode must be a function of \(generate, prompt, label, tokenizer, args\)"):
+        load_env(str(two_args))
+    neither = tmp_path / "neither.py"
+    neither.write_text("x = 1\n")
+    with pytest.raises(ValueError, match="defines no class Env .* nor a function episode"):
+        load_env(str(neither))
+
+    tokenizer = AutoTokenizer.from_pretrained(rl_start_model)
+    gen = RecordingHF(rl_start_model)
+    cases = {
+        "a_string": (["generate(ids)", "return 'done'"],
+                     r"episode 0: episode\(\) must return an Episode\(segments, reward\) or None, got str"),
+        "no_logprobs": (["out, logps = generate(ids)", "return Episode([(ids, False, None), (out, True, None)], 1.0)"],
+                        r"episode 0: segment 1 is trainable: it needs one log-prob per token \(\d+\), got None"),
+        "made_up_logprobs": (["out, logps = generate(ids)",
+                              "return Episode([(ids, False, None), (out, True, [0.0] * len(out))], 1.0)"],
+                             "episode 0: segment 1 is trainable but is not a model turn as generate sampled it"),
+        "prompt_trained": (["out, logps = generate(ids)", "return Episode([(ids + out, True, logps)], 1.0)"],
+                           "episode 0: segment 0 is the prompt: it cannot be trainable"),
+        "bool_reward": (["out, logps = generate(ids)",
+                         "return Episode([(ids, False, None), (out, True, logps)], True)"],
+                        "episode 0: the Episode's reward must be a finite number, got True"),
+        "too_long": (["out, logps = generate(ids)",
+                      "return Episode([(ids, False, None), (out, True, logps), ([5] * 200, False, None)], 1.0)"],
+                     r"episode 0: the Episode has \d+ tokens, more than --max_episode_tokens 84"),
+        "raising": (["raise KeyError('no such box')"], "episode 0: episode\\(\\) raised KeyError: 'no such box'"),
+        "early_none": (["return None"], r"episode 0: episode\(\) returned None before any generate call"),
+        "too_many_turns": (["for _ in range(4):", "    generate(ids)"],
+                           "episode 0: generate called more than --max_turns 3 times"),
+        "no_room": (["generate(ids * 20)"], r"episode 0: generate was given \d+ tokens, no room left in "
+                                            r"--max_episode_tokens 84"),
+    }
+    for name, (body, message) in cases.items():
+        args = agent_args(assets)
+        args.agent.agent_func_path = path = write_episode_file(tmp_path, name, body)
+        prompts = lookup_prompts(assets, tokenizer, args, 2)
+        with pytest.raises(ValueError, match=f"--agent_func_path {path}: {message}"):
+            run_episodes(args, load_env(path), gen, tokenizer, prompts, 2, 1.0, [1, 2])
+    # through the CLI: refused before Ray or any model starts
+    proc = run_script("grpo.py", ["--pretrain", rl_start_model, "--prompt_data", "d.jsonl",
+                                  "--agent_func_path", two_args], expect_ok=False)
+    assert proc.returncode != 0 and f"error: --agent_func_path {two_args}: episode must be a function" in proc.stderr
+
+
+def test_episode_function_none_is_a_reject(assets, rl_start_model, tmp_path):
+    """None rejects the episode: its last model turn stays as a sample without loss, counted in
+    train/episode_rejects; the others train."""
+    from transformers import AutoTokenizer
+
+    from common.rl import rollout_metrics, rollout_samples
+
+    path = write_episode_file(tmp_path, "odd_boxes", [
+        "out, logps = generate(ids)",
+        "if int(prompt.split()[-1]) % 2:  # odd boxes: rejected",
+        "    return None",
+        "return Episode([(ids, False, None), (out, True, logps)], 1.0)"])
+    args = agent_args(assets)
+    args.agent.agent_func_path = path
+    tokenizer = AutoTokenizer.from_pretrained(rl_start_model)
+    gen = RecordingHF(rl_start_model)
+    prompts = lookup_prompts(assets, tokenizer, args, 4)  # boxes 2000-2003
+    groups = run_episodes(args, load_env(path), gen, tokenizer, prompts, 3, 1.0, [5, 6, 7, 8])
+    assert [[e.rejected for e in g] for g in groups] == [[False] * 3, [True] * 3, [False] * 3, [True] * 3]
+    assert [[e.reward for e in g] for g in groups] == [[1.0] * 3, [0.0] * 3, [1.0] * 3, [0.0] * 3]
+    rollout = {"kept": [(p, g, torch.tensor([e.reward for e in g])) for p, g in zip(prompts, groups)],
+               "dropped": 0, "rounds": 1, "version": 0, "timing": {}}
+    samples, rewards = rollout_samples(rollout, args)
+    metrics = rollout_metrics(rollout, samples, rewards, 0)
+    assert metrics["train/episode_rejects"] == 6 and metrics["train/episode_turns"] == 1.0
+    assert [s["masked"] for s in samples] == [False] * 3 + [True] * 3 + [False] * 3 + [True] * 3
+    for (given, s), sample in zip(gen.calls, samples):  # a rejected episode's sample: its model turn, no loss
+        assert sample["prompt_ids"] == given and sample["response_ids"] == s.output_ids
+        assert sample["trainable"] == [1] * len(s.output_ids) and sample["vllm_logps"] == s.logprobs
+        batch = grpo.make_batch([sample], 0, 256, False)
+        assert batch["loss_mask"].sum().item() == (0 if sample["masked"] else len(s.output_ids))
