@@ -469,7 +469,8 @@ class GroupMember:
 
     def __init__(self, args: Args, rank, world, pad_id, ranks_per_node):
         self.args, self.rank, self.world, self.pad_id, self.ranks_per_node = args, rank, world, pad_id, ranks_per_node
-        self.max_tokens = args.prompt_max_len + args.generate_max_len  # packed row length: the longest sample
+        # packed row length: the longest sample (an episode's is up to --max_episode_tokens)
+        self.max_tokens = max(args.prompt_max_len + args.generate_max_len, args.agent.max_episode_tokens or 0)
         self.asleep = False
 
     def address(self):
