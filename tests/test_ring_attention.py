@@ -180,30 +180,30 @@ def test_script_with_a_ring_of_two_equals_data_parallel(assets, tmp_path, script
 
 
 RL_KEYS = {"grpo": ("train/policy_loss", "train/kl_loss", "train/entropy", "train/grad_norm"),
-           "ppo": ("train/policy_loss", "train/entropy", "train/grad_norm", "train/kl", "critic/value_loss",
+           "ppo": ("train/policy_loss", "train/entropy", "train/grad_norm", "train/clip_ratio", "critic/value_loss",
                    "critic/grad_norm", "critic/values", "critic/explained_variance")}
 
 
 @pytest.mark.parametrize("script", ["grpo", "ppo"])
 def test_rl_trainers_with_a_ring_of_two_equal_one_rank(assets, rl_start_model, tmp_path, script):
-    """The Ray drivers' trainer groups under `--ring_attn_size 2` (2 ranks, one data-parallel replica; ppo.py:
-    actor, reference and critic each a ring of 2) against one rank each, one step on the same rollout (vLLM
-    samples the same tokens from the same weights and seeds): the losses, KL, entropy, values and gradient
-    norms the trainers log, and vLLM's log-probs against the ring's."""
+    """The Ray drivers' trainer groups under `--ring_attn_size 2` (2 ranks, one data-parallel replica; grpo.py:
+    the policy and its reference; ppo.py: actor and critic each a ring of 2) against one rank each, one rollout
+    step on the same samples (vLLM samples the same tokens from the same weights and seeds): the losses, KL,
+    entropy, values and gradient norms the trainers log, and vLLM's log-probs against the ring's."""
     from conftest import max_weight_diff, read_jsonl, run_script
 
     common = ["--pretrain", rl_start_model, "--prompt_data", f"{assets}/data/reverse/rl_train.jsonl",
               "--input_key", "prompt", "--label_key", "answer", "--apply_chat_template",
               "--remote_rm_url", os.path.join(ROOT, "launch", "rewards", "exact_match.py"),
-              "--rollout_batch_size", 8, "--n_samples_per_prompt", 2, "--train_batch_size", 16,
-              "--micro_train_batch_size", 8, "--micro_rollout_batch_size", 8, "--prompt_max_len", 48,
-              "--generate_max_len", 16, "--max_model_len", 128, "--max_steps", 1, "--init_kl_coef", 0.05,
-              "--entropy_loss_coef", 0.01, "--param_dtype", "fp32"]  # fp32: bf16 matmuls round differently per split
+              "--rollout_batch_size", 8, "--n_samples_per_prompt", 2, "--micro_train_batch_size", 8,
+              "--micro_rollout_batch_size", 8, "--prompt_max_len", 48, "--generate_max_len", 16, "--max_model_len",
+              128, "--max_steps", 1, "--actor_learning_rate", 1e-3, "--entropy_loss_coef", 0.01,
+              "--param_dtype", "fp32"]  # fp32: bf16 matmuls round differently per split
     if script == "grpo":  # the KL in the loss: the reference runs in the trainer's ring
-        common += ["--use_kl_loss", "--actor_learning_rate", 1e-3]
+        common += ["--train_batch_size", 16, "--init_kl_coef", 0.05, "--use_kl_loss"]
         ranks = lambda n: ["--actor_num_gpus_per_node", n]  # noqa: E731
-    else:  # the KL in the reward: the actor's log-probs before the update, the reference, the critic, all rings
-        common += ["--actor_learning_rate", 1e-3, "--critic_learning_rate", 1e-3]
+    else:  # two optimizer steps: the actor's log-probs before the update (a ring), the critic (a ring of its own)
+        common += ["--train_batch_size", 8, "--critic_learning_rate", 1e-3]
         ranks = lambda n: ["--actor_num_gpus_per_node", n, "--critic_num_gpus_per_node", n]  # noqa: E731
     runs = {}
     for name, extra in (("ring", [*ranks(2), "--ring_attn_size", 2]), ("one", ranks(1))):
