@@ -56,15 +56,14 @@ from common.ring_attention import (  # noqa: E402
     validate_ring_args,
 )
 from common.rl import (  # noqa: E402
-    AsyncArgs, RewardModels, RLArgs, RolloutEngineArgs, RolloutLogArgs, Rollouts, collect_rollout, environment,
-    evaluate, join_group, load_prompts, make_batch, model_tokens, off_policy, reference_args,
-    rendezvous_address, reward_function, rollout_metrics, rollout_samples, rollout_steps, split_steps, start_group,
-    start_ray, trainer_bundles, validate_rollout_args, weight_sync,
+    AsyncArgs, RLArgs, RolloutEngineArgs, RolloutLogArgs, Rollouts, collect_rollout, environment, evaluate, join_group,
+    kl_to_reference, load_prompts, make_batch, model_tokens, off_policy, reference_args, rendezvous_address,
+    reward_function, rollout_metrics, rollout_samples, rollout_steps, split_steps, start_engines, start_group,
+    start_ray, start_reward_models, trainer_bundles, validate_rollout_args, weight_sync,
 )
 from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.tracking import MetricsLogger, eval_due, exit_with_error, progress  # noqa: E402
 from common.varlen_attention import NAME as VARLEN_ATTENTION  # noqa: E402
-from common.vllm_engine import default_max_num_seqs  # noqa: E402
 
 ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline")
 GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
@@ -444,7 +443,6 @@ def place_models(args, world, pad_id, roles):
     Each is added to `roles` under the name errors give it."""
     import ray
 
-    from common.vllm_engine import create_vllm_actor
 
     gpu = ray.cluster_resources().get("GPU", 0) > 0
     at = trainer_bundles(roles, args.actor_num_nodes, args.actor_num_gpus_per_node, gpu, args.startup_timeout,
@@ -456,22 +454,8 @@ def place_models(args, world, pad_id, roles):
                     num_cpus=cpus, num_gpus=gpus,
                     scheduling_strategy=at(r)).remote(args, r, world, pad_id))
                 for r in range(world)]
-    # an engine holds at once every sample of its share of a rollout (or of an evaluation round)
-    per_engine = math.ceil(args.rollout_batch_size / args.vllm_num_engines)
-    max_num_seqs = default_max_num_seqs(per_engine * max(args.n_samples_per_prompt, args.eval_n_samples_per_prompt))
-    engines = []
-    for i in range(args.vllm_num_engines):
-        options = {"scheduling_strategy": at(i * args.engine.tp_size)} if colocated else {}
-        engines.append(roles.add(f"vLLM engine {i}", create_vllm_actor(
-            args.model.pretrain, args.engine, num_cpus=cpus, num_gpus=gpus * args.engine.tp_size,
-            enable_sleep=args.vllm_enable_sleep, colocated=colocated, options=options, max_num_seqs=max_num_seqs)))
-    reward_models = None
-    if args.reward_pretrain:
-        options = {"scheduling_strategy": at(0)} if colocated else {}
-        reward_models = roles.add("reward models", actor_class(RewardModels).options(
-            num_cpus=cpus, num_gpus=gpus, **options).remote(
-            [p for p in args.reward_pretrain.split(",") if p], args.normalize_reward))
-    return trainers, engines, reward_models
+    engines = start_engines(args, roles, cpus, gpus, at if colocated else None)
+    return trainers, engines, start_reward_models(args, roles, cpus, gpus, at(0) if colocated else None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -587,11 +571,7 @@ def main(args: Args):
                    **timing, **{f"train/{k}": v for k, v in train_metrics.items()}}
         if not off_policy(args):  # the trainer's log-probs before the update vs vLLM's on the same weights
             metrics["check/vllm_logp_max_abs_diff"] = vllm_diff
-        if all("ref_logps" in s and "old_logps" in s for s in samples):
-            masks = [model_tokens(s) for s in samples]
-            metrics["train/kl"] = (sum(approx_kl(torch.tensor(s["old_logps"])[m], torch.tensor(s["ref_logps"])[m],
-                                                 "k1").sum().item()
-                                       for s, m in zip(samples, masks)) / sum(int(m.sum()) for m in masks))
+        metrics.update(kl_to_reference(samples))
         bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")
         if eval_prompts and eval_due(global_step, args.log.eval_steps, steps_per_episode, total_steps):
             metrics.update(evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer, env_cls))

@@ -16,9 +16,8 @@ reference log-probs, critic values -> per-token rewards (-beta x KL_t, the scala
 model token) -> GAE advantages and returns -> actor PPO update (+ PPO-ptx's LM loss) beside the
 critic's value update -> weight sync.
 
-Multi-turn episodes (--agent_func_path), asynchronous rollouts (--async_train --max_staleness K) and ring
-attention (--ring_attn_size, for the actor, reference and critic groups) act as in grpo.py, through the
-same common/ code; GAE runs over the model's own tokens only.
+Multi-turn episodes (--agent_func_path), async rollouts (--async_train) and ring attention (--ring_attn_size,
+every group) act as in grpo.py, through the same common/ code; GAE runs over the model's own tokens.
 
 Differences from OpenRLHF, on purpose: GAE skips tokens that are not the model's own (they are not
 steps: values and the running sum carry across them; OpenRLHF zeroes them and runs GAE through,
@@ -55,14 +54,13 @@ from common.ring_attention import (  # noqa: E402
     setup_ring, validate_ring_args,
 )
 from common.rl import (  # noqa: E402
-    AsyncArgs, RewardModels, RLArgs, RolloutEngineArgs, RolloutLogArgs, Rollouts, collect_rollout, environment,
-    evaluate, join_group, load_prompts, make_batch, model_tokens, off_policy, prompt_at, reference_args,
-    rendezvous_address, reward_function, rollout_metrics, rollout_samples, rollout_steps, split_steps, start_group,
-    start_ray, trainer_bundles, validate_rollout_args, weight_sync,
+    AsyncArgs, RLArgs, RolloutEngineArgs, RolloutLogArgs, Rollouts, collect_rollout, environment, evaluate, join_group,
+    kl_to_reference, load_prompts, make_batch, model_tokens, off_policy, prompt_at, reference_args, rendezvous_address,
+    reward_function, rollout_metrics, rollout_samples, rollout_steps, split_steps, start_engines, start_group,
+    start_ray, start_reward_models, trainer_bundles, validate_rollout_args, weight_sync,
 )
 from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.tracking import MetricsLogger, eval_due, exit_with_error, progress  # noqa: E402
-from common.vllm_engine import default_max_num_seqs  # noqa: E402
 
 
 @dataclass
@@ -659,7 +657,6 @@ def place_models(args, world, critic_world, pad_id, roles):
     device. Each is added to `roles` under the name errors give it."""
     import ray
 
-    from common.vllm_engine import create_vllm_actor
 
     gpu = ray.cluster_resources().get("GPU", 0) > 0
     everything = args.colocate_all_models
@@ -688,24 +685,10 @@ def place_models(args, world, critic_world, pad_id, roles):
     trainers = ranks("actor", PolicyTrainer, world, actor_at, ref_with_actor)
     references = ranks("reference", ReferenceRanks, world, ref_at, ref_with_actor) if use_ref else []
     critics = ranks("critic", CriticTrainer, critic_world, critic_at, everything or args.colocate_critic_reward)
-    # an engine holds at once every sample of its share of a rollout (or of an evaluation round)
-    per_engine = math.ceil(args.rollout_batch_size / args.vllm_num_engines)
-    max_num_seqs = default_max_num_seqs(per_engine * max(args.n_samples_per_prompt, args.eval_n_samples_per_prompt))
-    engines = []
-    for i in range(args.vllm_num_engines):
-        cpus, gpus = fraction(everything)
-        options = {"scheduling_strategy": actor_at(i * args.engine.tp_size)} if everything else {}
-        engines.append(roles.add(f"vLLM engine {i}", create_vllm_actor(
-            args.model.pretrain, args.engine, num_cpus=cpus, num_gpus=gpus * args.engine.tp_size,
-            enable_sleep=args.vllm_enable_sleep, colocated=everything, options=options, max_num_seqs=max_num_seqs)))
-    reward_models = None
-    if args.reward_pretrain:
-        colocated = everything or args.colocate_critic_reward
-        cpus, gpus = fraction(colocated)
-        options = {"scheduling_strategy": (actor_at if everything else critic_at)(0)} if colocated else {}
-        reward_models = roles.add("reward models", actor_class(RewardModels).options(
-            num_cpus=cpus, num_gpus=gpus, **options).remote(
-            [p for p in args.reward_pretrain.split(",") if p], args.normalize_reward))
+    engines = start_engines(args, roles, *fraction(everything), actor_at if everything else None)
+    with_critic = everything or args.colocate_critic_reward
+    reward_models = start_reward_models(args, roles, *fraction(with_critic),
+                                        (actor_at if everything else critic_at)(0) if with_critic else None)
     return trainers, references, critics, engines, reward_models
 
 
@@ -813,8 +796,7 @@ def main(args: Args):
         kls = [args.init_kl_coef * approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]),
                                              args.kl_estimator)
                if kl_in_reward else torch.zeros(len(s["response_ids"])) for s in samples]
-        # GAE runs over the model's own tokens: an episode's environment tokens are not steps
-        masks = [model_tokens(s).float() * (0.0 if s["masked"] else 1.0) for s in samples]
+        masks = [model_tokens(s).float() * (not s["masked"]) for s in samples]  # an episode's environment: no steps
         values = [torch.tensor(s["values"]) for s in samples]
         advantages, returns = advantages_and_returns(rewards, kls, values, masks, args.gamma, args.lambd,
                                                      args.lambd_critic)
@@ -846,8 +828,7 @@ def main(args: Args):
         phase("train", t0)
         phases.update(1)
 
-        # 6. push the new weights into every engine (unchanged while the actor is frozen), once they have
-        # finished the rollouts due on the old ones
+        # 6. push the new weights (none while the actor is frozen) once the engines finish the old ones' rollouts
         if args.vllm_enable_sleep:
             roles.get([e.wake_up.remote() for e in engines])
         t0 = time.time()
@@ -882,11 +863,7 @@ def main(args: Args):
             metrics["check/vllm_logp_max_abs_diff"] = max(
                 (torch.tensor(s["old_logps"]) - torch.tensor(s["vllm_logps"])).abs().max().item() for s in samples)
         metrics.update(timing)
-        if references and policy_pass:
-            own = [model_tokens(s) for s in samples]
-            metrics["train/kl"] = sum(approx_kl(torch.tensor(s["old_logps"])[m], torch.tensor(s["ref_logps"])[m],
-                                                "k1").sum().item() for s, m in zip(samples, own)) / sum(
-                                                    int(m.sum()) for m in own)
+        metrics.update(kl_to_reference(samples))
         bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", ev=f"{metrics['critic/explained_variance']:.2f}")
         if eval_prompts and eval_due(global_step, args.log.eval_steps, steps_per_episode, total_steps):
             metrics.update(evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer, env_cls))

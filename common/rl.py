@@ -340,6 +340,32 @@ def weight_sync(args, rank, engines):
                       host=ray.util.get_node_ip_address(), timeout_s=args.rendezvous_timeout)
 
 
+def start_engines(args, roles, cpus, gpus, at=None):
+    """The --vllm_num_engines engine actors (each --vllm_tensor_parallel_size devices; colocated with `at`: engine
+    i in trainer rank i x tp size's bundle), added to `roles`."""
+    from common.vllm_engine import create_vllm_actor, default_max_num_seqs
+
+    # an engine holds at once every sample of its share of a rollout (or of an evaluation round)
+    per_engine = math.ceil(args.rollout_batch_size / args.vllm_num_engines)
+    max_num_seqs = default_max_num_seqs(per_engine * max(args.n_samples_per_prompt, args.eval_n_samples_per_prompt))
+    return [roles.add(f"vLLM engine {i}", create_vllm_actor(
+                args.model.pretrain, args.engine, num_cpus=cpus, num_gpus=gpus * args.engine.tp_size,
+                enable_sleep=args.vllm_enable_sleep, colocated=at is not None, max_num_seqs=max_num_seqs,
+                options={"scheduling_strategy": at(i * args.engine.tp_size)} if at else {}))
+            for i in range(args.vllm_num_engines)]
+
+
+def start_reward_models(args, roles, cpus, gpus, strategy=None):
+    """The --reward_pretrain models in one actor (on `strategy`'s bundle when colocated), or None."""
+    from common.roles import actor_class
+
+    if not args.reward_pretrain:
+        return None
+    return roles.add("reward models", actor_class(RewardModels).options(
+        num_cpus=cpus, num_gpus=gpus, **({"scheduling_strategy": strategy} if strategy else {})).remote(
+        [p for p in args.reward_pretrain.split(",") if p], args.normalize_reward))
+
+
 def start_group(roles, members, *setup_args):
     """Start every member's setup(addr, port, *setup_args), rendezvous at rank 0; returns the refs to wait on."""
     if not members:
@@ -588,6 +614,17 @@ def rollout_metrics(rollout, samples, raw_rewards, step):
                         "train/episode_forks": sum(e.forks for e in episodes),
                         "train/episode_rejects": sum(e.rejected for e in episodes)})
     return metrics
+
+
+def kl_to_reference(samples):
+    """train/kl: the k1 estimate of KL(policy || reference) per model token, from the log-probs before the update
+    (when the step computed both)."""
+    if not all("ref_logps" in s and "old_logps" in s for s in samples):
+        return {}
+    masks = [model_tokens(s) for s in samples]
+    kl = sum((torch.tensor(s["old_logps"])[m] - torch.tensor(s["ref_logps"])[m]).clamp(-10, 10).sum().item()
+             for s, m in zip(samples, masks))
+    return {"train/kl": kl / max(sum(int(m.sum()) for m in masks), 1)}
 
 
 def environment(args):
