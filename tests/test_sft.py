@@ -81,7 +81,8 @@ def test_loss_normalisation_across_accumulation_and_ranks(assets, tmp_path):
     checkpointing, optimizer offload (DeepSpeedCPUAdam) and parameter offload; the gradient is that of
     the token mean over all 8 samples, and the weights those of one plain (per-op) torch AdamW step (the
     engine runs the fused CPU kernel).  (Adam's first step is lr * sign(g) where |g| >> eps, so lr 1e-4
-    keeps float-summation noise on near-zero gradients below 1e-5.)"""
+    keeps float-summation noise on near-zero gradients below 1e-5.)  micro8 and micro1x8, a world of one under
+    ZeRO-0, skip DeepSpeed's gradient all-reduce (common.engine.create_train_engine); ranks2 runs it."""
     data = f"{assets}/data/reverse/sft_train.jsonl"
     common = ["--pretrain", f"{assets}/llama-0.5m", "--dataset", data, *TASK, "--max_samples", 8,
               "--train_batch_size", 8, "--learning_rate", 1e-4, "--max_norm", 0, "--seed", 1]
