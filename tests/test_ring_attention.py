@@ -217,7 +217,8 @@ def test_rl_trainers_with_a_ring_of_two_equal_one_rank(assets, rl_start_model, t
     assert all(v <= 1e-5 for v in worst.values()), worst
     assert ring["check/vllm_logp_max_abs_diff"] <= 1e-4  # the ring's log-probs of the samples are vLLM's
     assert ring["train/reward_std"] > 0  # the advantages carry a signal
-    assert max_weight_diff(tmp_path / "ring", tmp_path / "one") <= 1e-5
+    # (the weights after the step are not compared: Adam's first step turns rounding noise on near-zero gradients
+    # into lr-sized differences, 6e-5 at lr 1e-3 in one grpo run; the gradient norms above are the check)
     assert max_weight_diff(tmp_path / "ring", rl_start_model) > 1e-4  # the step did train
 
 
