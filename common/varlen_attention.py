@@ -37,92 +37,169 @@ def cu_seqlens_from_position_ids(position_ids):
     return starts + [flat.numel()]
 
 
-def _causal_mask(lq, lk, like):
-    """Additive bottom-right causal mask (the fused op wants the query's dtype): query i, one of the
-    last lq positions, sees keys up to lk - lq + i."""
-    visible = torch.ones(lq, lk, dtype=torch.bool, device=like.device).tril(lk - lq)
-    return torch.zeros(lq, lk, dtype=like.dtype, device=like.device).masked_fill(~visible, float("-inf"))
+class SampleGroups:
+    """A batch's samples grouped by (query length, key length): each group runs as one batched call of the
+    fused op, so a row of short samples is a few calls, not one per sample. Built once per batch (every
+    layer's forward and backward reuse it). The tokens are reordered so that each group's samples lie
+    together: `q_order` / `k_order` index q and k (None where the order is already that), and a group's
+    queries, keys and values are views of the one gathered tensor. With `key_index` (the keys are
+    k[key_index]: branches that reuse a root's prefix, q and k being the same tokens) `k_order` repeats keys,
+    and their gradients are summed back."""
+
+    def __init__(self, cu_seqlens_q, cu_seqlens_k, device, key_index=None):
+        by_shape = {}
+        for i in range(len(cu_seqlens_q) - 1):
+            lq, lk = cu_seqlens_q[i + 1] - cu_seqlens_q[i], cu_seqlens_k[i + 1] - cu_seqlens_k[i]
+            if lq > 0:
+                by_shape.setdefault((lq, lk), []).append(i)
+        self.shapes = [(len(ids), lq, lk) for (lq, lk), ids in by_shape.items()]
+        q_order = [t for (lq, _), ids in by_shape.items() for i in ids
+                   for t in range(cu_seqlens_q[i], cu_seqlens_q[i] + lq)]
+        k_order = [t for (_, lk), ids in by_shape.items() for i in ids
+                   for t in range(cu_seqlens_k[i], cu_seqlens_k[i] + lk)]
+        self.total_q, self.total_k = cu_seqlens_q[-1], cu_seqlens_k[-1]
+        in_order = q_order == list(range(self.total_q))
+        self.q_order = None if in_order else torch.tensor(q_order, device=device)
+        self.q_restore = None if in_order else torch.argsort(self.q_order)
+        if key_index is not None:
+            self.k_order, self.total_k = key_index[torch.tensor(k_order, device=device)], self.total_q
+        else:
+            in_order = k_order == list(range(self.total_k))
+            self.k_order = None if in_order else torch.tensor(k_order, device=device)
+        self._masks = {}
+
+    def mask(self, lq, lk, like):
+        """Additive bottom-right causal mask (the fused op wants the query's dtype): query i, one of the
+        last lq positions, sees keys up to lk - lq + i."""
+        key = (lq, lk, like.dtype)
+        if key not in self._masks:
+            visible = torch.ones(lq, lk, dtype=torch.bool, device=like.device).tril(lk - lq)
+            self._masks[key] = torch.zeros(lq, lk, dtype=like.dtype, device=like.device).masked_fill(
+                ~visible, float("-inf"))
+        return self._masks[key]
+
+    def order(self, x, index):
+        return x if index is None else x[index]
+
+    def restore_q(self, x):
+        """Rows of x, in group order, back in q's order."""
+        return x if self.q_restore is None else x[self.q_restore]
+
+    def sum_into_k(self, x):
+        """Key gradients in group order summed into k's rows."""
+        if self.k_order is None:
+            return x
+        return x.new_zeros(self.total_k, *x.shape[1:]).index_add_(0, self.k_order, x)
+
+    def lse_heads_first(self, lse):
+        """The log-sum-exp of grouped_forward (per group (n, heads, lq), flattened) as (heads, total_q) in q's
+        order, flash-attention's layout."""
+        parts, at = [], 0
+        heads = lse.numel() // self.total_q
+        for n, lq, _ in self.shapes:
+            parts.append(lse[at: at + n * heads * lq].view(n, heads, lq).transpose(0, 1).reshape(heads, n * lq))
+            at += n * heads * lq
+        out = torch.cat(parts, 1)
+        return out if self.q_restore is None else out[:, self.q_restore]
+
+    def lse_grouped(self, lse):
+        """The inverse of lse_heads_first."""
+        lse = lse if self.q_order is None else lse[:, self.q_order]
+        parts, at = [], 0
+        for n, lq, _ in self.shapes:
+            parts.append(lse[:, at: at + n * lq].view(-1, n, lq).transpose(0, 1).reshape(-1))
+            at += n * lq
+        return torch.cat(parts)
 
 
-def _same_length_groups(cu_seqlens_q, cu_seqlens_k, device):
-    """Samples grouped by (query length, key length): each group runs as one batched call of the fused
-    op (a packed row of short samples is a few calls, not one per sample). Yields the group's token
-    indices into q and into k / v, sample count, query length and key length."""
-    groups = {}
-    for i in range(len(cu_seqlens_q) - 1):
-        lq, lk = cu_seqlens_q[i + 1] - cu_seqlens_q[i], cu_seqlens_k[i + 1] - cu_seqlens_k[i]
-        if lq > 0:
-            groups.setdefault((lq, lk), []).append(i)
-    for (lq, lk), ids in groups.items():
-        q_starts = torch.tensor([cu_seqlens_q[i] for i in ids], device=device)
-        k_starts = torch.tensor([cu_seqlens_k[i] for i in ids], device=device)
-        q_index = (q_starts[:, None] + torch.arange(lq, device=device)).flatten()
-        k_index = (k_starts[:, None] + torch.arange(lk, device=device)).flatten()
-        yield q_index, k_index, len(ids), lq, lk
+def _views(x, groups, which, heads):
+    """Each group's (n, heads, length, dim) view of x, a (tokens, heads, dim) tensor in group order."""
+    at = 0
+    for shape in groups.shapes:
+        n, length = shape[0], shape[which]
+        yield x[at: at + n * length].view(n, length, heads, x.shape[2]).transpose(1, 2)
+        at += n * length
 
 
-def _heads_first(x, index, n, heads):
-    """Rows `index` of (tokens, kv heads, dim), n samples of equal length -> (n, heads, length, dim),
-    repeating KV heads for grouped queries."""
-    x = x[index].view(n, -1, x.shape[1], x.shape[2]).transpose(1, 2)
-    if x.shape[1] != heads:
-        x = x.repeat_interleave(heads // x.shape[1], dim=1)
-    return x.contiguous()
+def _repeat_kv(x, heads):
+    """(tokens, kv heads, dim) -> (tokens, heads, dim) for grouped queries."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def _tokens_first(x, n, length):
-    """(n, heads, length, dim) -> (n * length, heads, dim)."""
-    return x.transpose(1, 2).reshape(n * length, x.shape[1], x.shape[3])
+def grouped_forward(q, k, v, groups, softmax_scale, causal=True):
+    """q (total_q, heads, dim), k, v (total_k, kv_heads, dim), all in the group order of `groups`.
+    Returns out (total_q, heads, dim) in group order and the log-sum-exp (fp32, flat in group order)."""
+    heads = q.shape[1]
+    outs, lses = [], []
+    for (n, lq, lk), gq, gk, gv in zip(groups.shapes, _views(q, groups, 1, heads),
+                                       _views(_repeat_kv(k, heads), groups, 2, heads),
+                                       _views(_repeat_kv(v, heads), groups, 2, heads)):
+        mask = groups.mask(lq, lk, q) if causal and lq != lk else None
+        o, s = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            gq, gk, gv, 0.0, causal and lq == lk, attn_mask=mask, scale=softmax_scale)
+        outs.append(o.transpose(1, 2).reshape(n * lq, heads, -1))
+        lses.append(s.reshape(-1))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def grouped_backward(dout, q, k, v, out, lse, groups, softmax_scale, causal=True):
+    """Gradients (dq, dk, dv) of grouped_forward, in group order, shaped like q, k, v (grouped heads summed
+    back)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    dqs, dks, dvs, at = [], [], [], 0
+    for (n, lq, lk), gdo, gq, gk, gv, go in zip(
+            groups.shapes, _views(dout, groups, 1, heads), _views(q, groups, 1, heads),
+            _views(_repeat_kv(k, heads), groups, 2, heads), _views(_repeat_kv(v, heads), groups, 2, heads),
+            _views(out, groups, 1, heads)):
+        mask = groups.mask(lq, lk, q) if causal and lq != lk else None
+        glse = lse[at: at + n * heads * lq].view(n, heads, lq)
+        at += n * heads * lq
+        gradients = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            gdo, gq, gk, gv, go, glse, 0.0, causal and lq == lk, attn_mask=mask, scale=softmax_scale)
+        for grad, parts, length in zip(gradients, (dqs, dks, dvs), (lq, lk, lk)):
+            parts.append(grad.transpose(1, 2).reshape(n * length, heads, -1))
+    dk, dv = torch.cat(dks), torch.cat(dvs)
+    if kv_heads != heads:
+        dk, dv = (d.view(d.shape[0], kv_heads, heads // kv_heads, -1).sum(2) for d in (dk, dv))
+    return torch.cat(dqs), dk, dv
 
 
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True):
     """q: (total_q, heads, dim); k, v: (total_k, kv_heads, dim); sample i is rows
     cu_seqlens[i]:cu_seqlens[i + 1]. Returns out (total_q, heads, dim) and lse (heads, total_q), fp32."""
-    heads = q.shape[1]
-    out = torch.zeros_like(q)
-    lse = torch.zeros(heads, q.shape[0], dtype=torch.float32, device=q.device)
-    for q_index, k_index, n, lq, lk in _same_length_groups(cu_seqlens_q, cu_seqlens_k, q.device):
-        mask = _causal_mask(lq, lk, q) if causal and lq != lk else None
-        o, s = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            _heads_first(q, q_index, n, heads), _heads_first(k, k_index, n, heads),
-            _heads_first(v, k_index, n, heads), 0.0, causal and lq == lk, attn_mask=mask, scale=softmax_scale)
-        out[q_index] = _tokens_first(o, n, lq)
-        lse[:, q_index] = s.transpose(0, 1).reshape(heads, n * lq)
-    return out, lse
+    groups = SampleGroups(cu_seqlens_q, cu_seqlens_k, q.device)
+    out, lse = grouped_forward(groups.order(q, groups.q_order), groups.order(k, groups.k_order),
+                               groups.order(v, groups.k_order), groups, softmax_scale, causal)
+    return groups.restore_q(out), groups.lse_heads_first(lse)
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True):
     """Gradients (dq, dk, dv) of varlen_forward, shaped like q, k, v (grouped heads summed back)."""
-    heads, kv_heads = q.shape[1], k.shape[1]
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for q_index, k_index, n, lq, lk in _same_length_groups(cu_seqlens_q, cu_seqlens_k, q.device):
-        mask = _causal_mask(lq, lk, q) if causal and lq != lk else None
-        group_lse = lse[:, q_index].view(heads, n, lq).transpose(0, 1).contiguous()
-        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _heads_first(dout, q_index, n, heads), _heads_first(q, q_index, n, heads),
-            _heads_first(k, k_index, n, heads), _heads_first(v, k_index, n, heads),
-            _heads_first(out, q_index, n, heads), group_lse, 0.0, causal and lq == lk, attn_mask=mask,
-            scale=softmax_scale)
-        dq[q_index] = _tokens_first(gq, n, lq)
-        group = heads // kv_heads
-        dk[k_index] = _tokens_first(gk.view(n, kv_heads, group, lk, -1).sum(2), n, lk)
-        dv[k_index] = _tokens_first(gv.view(n, kv_heads, group, lk, -1).sum(2), n, lk)
-    return dq, dk, dv
+    groups = SampleGroups(cu_seqlens_q, cu_seqlens_k, q.device)
+    dq, dk, dv = grouped_backward(
+        *(groups.order(x, groups.q_order) for x in (dout, q)), *(groups.order(x, groups.k_order) for x in (k, v)),
+        groups.order(out, groups.q_order), groups.lse_grouped(lse), groups, softmax_scale, causal)
+    return groups.restore_q(dq), groups.sum_into_k(dk), groups.sum_into_k(dv)
 
 
 class _VarlenAttention(torch.autograd.Function):
+    """Attention of q, k, v in their own order; the group-ordered copies are kept for the backward."""
+
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale):
-        out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale)
+    def forward(ctx, q, k, v, groups, softmax_scale):
+        q, k, v = groups.order(q, groups.q_order), groups.order(k, groups.k_order), groups.order(v, groups.k_order)
+        out, lse = grouped_forward(q, k, v, groups, softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cu_seqlens, ctx.softmax_scale = (cu_seqlens_q, cu_seqlens_k), softmax_scale
-        return out
+        ctx.groups, ctx.softmax_scale = groups, softmax_scale
+        return groups.restore_q(out)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = varlen_backward(dout.contiguous(), q, k, v, out, lse, *ctx.cu_seqlens, ctx.softmax_scale)
-        return dq, dk, dv, None, None, None
+        groups = ctx.groups
+        dq, dk, dv = grouped_backward(groups.order(dout, groups.q_order), q, k, v, out, lse, groups,
+                                      ctx.softmax_scale)
+        return groups.restore_q(dq), groups.sum_into_k(dk), groups.sum_into_k(dv), None, None
 
 
 def attention_segments(position_ids):
@@ -153,6 +230,19 @@ def attention_segments(position_ids):
     return bounds, torch.cat(keys).to(position_ids.device), cu_k
 
 
+_last_batch = {}
+
+
+def batch_groups(position_ids):
+    """The SampleGroups of a batch's rows, built at its first layer and reused by the others (transformers
+    hands every layer the same position_ids tensor)."""
+    if _last_batch.get("position_ids") is not position_ids or _last_batch["version"] != position_ids._version:
+        cu_seqlens_q, key_index, cu_seqlens_k = attention_segments(position_ids)
+        _last_batch.update(position_ids=position_ids, version=position_ids._version,
+                           groups=SampleGroups(cu_seqlens_q, cu_seqlens_k, position_ids.device, key_index))
+    return _last_batch["groups"]
+
+
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None,
                              sliding_window=None, softcap=None, **kwargs):
     """transformers attention function: query (batch, heads, len, dim), key / value (batch, kv_heads,
@@ -170,10 +260,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     k = key.transpose(1, 2).reshape(batch * length, key.shape[1], dim)
     v = value.transpose(1, 2).reshape(batch * length, value.shape[1], dim)
     scale = scaling if scaling is not None else dim**-0.5
-    cu_seqlens_q, key_index, cu_seqlens_k = attention_segments(position_ids)
-    if key_index is not None:  # a branch attends to its root's shared prefix, then to itself (bottom-right causal)
-        k, v = k[key_index], v[key_index]
-    out = _VarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    out = _VarlenAttention.apply(q, k, v, batch_groups(position_ids), scale)
     return out.view(batch, length, heads, dim), None
 
 
