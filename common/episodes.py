@@ -156,13 +156,14 @@ def turn_seed(prompt_seed, sample, turn):
     return hash((prompt_seed, sample, turn)) % 2**31
 
 
-def run_episodes(args, env, generate_fn, tokenizer, prompts, n, temperature, seeds):
+def run_episodes(args, env, generate_fn, tokenizer, prompts, n, temperature, seeds, top_p=1.0):
     """n episodes per prompt of `env` (what load_env returned: an Env class, or an episode() function, which
     run_function_episodes runs). Env: turn by turn, the tokens of every unfinished episode go to the engines at once
     (generate_fn(token lists, SamplingArgs list) -> lists of Sample), the model's turn is appended as the tokens
-    it sampled, then the environment's answer. Returns one list of Episode per prompt."""
+    it sampled, then the environment's answer, each turn sampled at `temperature` and `top_p` (the run's in training,
+    1.0 in evaluation as single-turn evaluation). Returns one list of Episode per prompt."""
     if not isinstance(env, type):
-        return run_function_episodes(args, env, generate_fn, tokenizer, prompts, n, temperature, seeds)
+        return run_function_episodes(args, env, generate_fn, tokenizer, prompts, n, temperature, seeds, top_p)
     path, budget, episodes = args.agent.agent_func_path, args.agent.max_episode_tokens, []
     for p in prompts:
         for _ in range(n):
@@ -183,7 +184,7 @@ def run_episodes(args, env, generate_fn, tokenizer, prompts, n, temperature, see
         active = [(i, e) for i, e in enumerate(episodes) if not e.done]
         if not active:
             break
-        samplings = [SamplingArgs(n=1, temperature=temperature, top_p=args.top_p,
+        samplings = [SamplingArgs(n=1, temperature=temperature, top_p=top_p,
                                   seed=turn_seed(seeds[i // n], i % n, turn),
                                   max_new_tokens=min(args.generate_max_len, budget - len(e.tokens())))
                      for i, e in active]
@@ -212,9 +213,9 @@ class EpisodeGenerate:
     call) as run_episodes' per turn, at most --max_turns calls; max_new_tokens is at most --generate_max_len and what
     is left of --max_episode_tokens (the default). It keeps every call, to check the episode returned against."""
 
-    def __init__(self, args, generate_fn, where, temperature, seed, sample):
+    def __init__(self, args, generate_fn, where, temperature, top_p, seed, sample):
         self.args, self.generate_fn, self.where = args, generate_fn, where
-        self.temperature, self.seed, self.sample = temperature, seed, sample
+        self.temperature, self.top_p, self.seed, self.sample = temperature, top_p, seed, sample
         self.calls, self.error = [], None  # (given ids, sampled ids, log-probs, finish reason); what it raised
 
     def __call__(self, token_ids, max_new_tokens=None):
@@ -234,7 +235,7 @@ class EpisodeGenerate:
         if room < 1:
             raise ValueError(f"{self.where}: generate was given {len(token_ids)} tokens, no room left in "
                              f"--max_episode_tokens {self.args.agent.max_episode_tokens}")
-        sampling = SamplingArgs(n=1, temperature=self.temperature, top_p=self.args.top_p,
+        sampling = SamplingArgs(n=1, temperature=self.temperature, top_p=self.top_p,
                                 seed=turn_seed(self.seed, self.sample, len(self.calls)),
                                 max_new_tokens=min(max_new_tokens or room, room))
         ((s,),) = self.generate_fn([list(token_ids)], [sampling])
@@ -242,7 +243,7 @@ class EpisodeGenerate:
         return list(s.output_ids), list(s.logprobs)
 
 
-def run_function_episodes(args, func, generate_fn, tokenizer, prompts, n, temperature, seeds):
+def run_function_episodes(args, func, generate_fn, tokenizer, prompts, n, temperature, seeds, top_p=1.0):
     """n episodes per prompt of an episode() function, one after another; what each returns is checked
     (checked_episode). Returns one list of Episode per prompt."""
     path, groups = args.agent.agent_func_path, []
@@ -250,7 +251,7 @@ def run_function_episodes(args, func, generate_fn, tokenizer, prompts, n, temper
         groups.append([])
         for sample in range(n):
             where = f"--agent_func_path {path}: episode {k * n + sample}"
-            generate = EpisodeGenerate(args, generate_fn, where, temperature, seeds[k], sample)
+            generate = EpisodeGenerate(args, generate_fn, where, temperature, top_p, seeds[k], sample)
             try:
                 out = func(generate, p["raw"], p["label"], tokenizer, args)
             except Exception as error:

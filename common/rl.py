@@ -478,7 +478,7 @@ def rollout_groups(args, roles, engines, prompts, n, temperature, top_p, seeds, 
     timeout_s, t0 = args.async_rollout.rollout_timeout, time.time()
     if env_cls is not None:  # the environment rewards each episode as it runs
         groups = run_episodes(args, env_cls, lambda ids, sp: generate(roles, engines, ids, sp, None, timeout_s),
-                              tokenizer, prompts, n, temperature, seeds)
+                              tokenizer, prompts, n, temperature, seeds, top_p)
         timing["time/generate"] = timing.get("time/generate", 0.0) + time.time() - t0
         return groups, torch.tensor([[e.reward for e in g] for g in groups])
     sampling = SamplingArgs(n=n, temperature=temperature, top_p=top_p, max_new_tokens=args.generate_max_len)

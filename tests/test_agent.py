@@ -39,9 +39,10 @@ class RecordingHF:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(model_path)
         self.hf = HFGenerator(model, AutoTokenizer.from_pretrained(model_path))
-        self.calls = []
+        self.calls, self.samplings = [], []
 
     def __call__(self, prompt_ids, samplings):
+        self.samplings += samplings
         out = [self.hf.generate([ids], s)[0] for ids, s in zip(prompt_ids, samplings)]
         self.calls += [(list(ids), group[0]) for ids, group in zip(prompt_ids, out)]
         return out
@@ -246,13 +247,17 @@ def test_episode_function_is_the_env_on_the_same_samples(assets, rl_start_model,
         tokenizer.chat_template = REWRITING_TEMPLATE
     prompts = lookup_prompts(assets, tokenizer, args, 8)
     seeds = list(range(21, 29))
+    args.top_p = 0.9  # evaluation's 1.0, given below, must win over it
     by_env, by_function = RecordingHF(rl_start_model), RecordingHF(rl_start_model)
-    env_episodes = [e for g in run_episodes(args, load_env(LOOKUP_ENV), by_env, tokenizer, prompts, 2, 1.0, seeds)
-                    for e in g]
+    env_episodes = [e for g in run_episodes(args, load_env(LOOKUP_ENV), by_env, tokenizer, prompts, 2, 1.0, seeds,
+                                            top_p=1.0) for e in g]
     args.agent.agent_func_path = LOOKUP_EPISODE
     func = load_env(LOOKUP_EPISODE)
     assert not isinstance(func, type)
-    episodes = [e for g in run_episodes(args, func, by_function, tokenizer, prompts, 2, 1.0, seeds) for e in g]
+    episodes = [e for g in run_episodes(args, func, by_function, tokenizer, prompts, 2, 1.0, seeds, top_p=1.0)
+                for e in g]
+    # every turn at the top_p given (the run's --top_p in training, 1.0 in evaluation), not at the run's --top_p
+    assert {s.top_p for s in by_env.samplings + by_function.samplings} == {1.0}
     assert len(episodes) == 16 and all(len(e.tokens()) < 128 for e in env_episodes)
     for e, want in zip(episodes, env_episodes):
         assert (e.reward, e.turns, e.forks, e.rejected, e.finish_reason) == (
