@@ -180,6 +180,25 @@ def world_size_from_env():
 _PARENT_AT_IMPORT = os.getppid()  # a torchrun worker's launcher, unless it died before this import
 
 
+def free_port(host="127.0.0.1"):
+    """A port free on `host` now, for a rendezvous another process binds later. Taken below the kernel's
+    ephemeral range where there is room: ports there are handed to every outgoing connection (Ray's and
+    vLLM's many), which could take this one before its owner binds it (EADDRINUSE seen once in a 2-node Ray
+    test); below it only another explicit pick can. From 20000 up: Ray's workers take 10002-19999."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    rng = random.Random()  # not the run's seeded generator: concurrent runs must not pick alike
+    for port in ([rng.randrange(20000, low) for _ in range(64)] if low > 20000 else []) + [0]:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+
+
 def init_distributed(timeout_s=None):
     """Join the torchrun group (NCCL on CUDA, gloo on CPU); a plain `python` run is a world of one.
     timeout_s bounds the rendezvous and every collective (default: torch's 30 minutes).
@@ -193,10 +212,8 @@ def init_distributed(timeout_s=None):
     # ZeRO-3 calls deprecated collectives on every gather; one warning per call floods the log
     warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).*is deprecated")
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}

@@ -10,7 +10,6 @@ import contextlib
 import math
 import os
 import queue
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import torch
 import tyro
 
 from common.data import BadRow, format_prompt, load_one, validate_prompt_args
-from common.engine import ModelArgs, init_distributed, set_seed
+from common.engine import ModelArgs, free_port, init_distributed, set_seed
 from common.episodes import Episode, episode_sample, load_env, run_episodes, validate_agent_args
 from common.packing import collate
 from common.roles import RoleFailed
@@ -313,9 +312,7 @@ def rendezvous_address():
     """This node's address and a free port, for a trainer group's rendezvous (asked of its rank 0)."""
     import ray
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+    return ray.util.get_node_ip_address(), free_port("")
 
 
 def join_group(rank, world, master_addr, master_port, timeout_s, seed, ranks_per_node):

@@ -15,7 +15,6 @@ rank, LoRA merged on the fly) and the same start / update / finish round trip on
 
 import contextlib
 import datetime
-import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -28,6 +27,8 @@ from vllm.distributed.weight_transfer import (
     WeightTransferTrainerFactory,
 )
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from common.engine import free_port
 
 GLOO_BACKEND = "minrlhf_gloo"
 DTYPES = {str(t).split(".")[-1]: t for t in (torch.float32, torch.bfloat16, torch.float16)}
@@ -334,9 +335,7 @@ class WeightSync:
 
         rank = dist.get_rank() if dist.is_initialized() else 0
         backend = weight_transfer_backend(colocated)
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
+        port = free_port(host)
         world = 1 + len(engines) * tp_size
         if backend == GLOO_BACKEND:
             info = GlooTrainerInitInfo(host, port, world, bucket_bytes, timeout_s, tp_size, rank=rank)
