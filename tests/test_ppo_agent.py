@@ -1,9 +1,8 @@
 """algos/ppo.py with --agent_func_path and --async_train (the shared common/rl.py and common/episodes.py code; real
 Ray, vLLM, DeepSpeed on CPU: 2 actor ranks, 1 critic rank, 1 engine): a multi-turn run on the built-in lookup task
-(launch/agent_lookup.py) whose log-probs line up with vLLM's on the model's tokens; the same run with --async_train
---max_staleness 0 reproduces it exactly, and so does the task as an episode() function
-(launch/agent_lookup_episode.py); with --max_staleness 1 each step trains on samples one update old, and the lookup
-task is learnt."""
+(launch/agent_lookup.py) whose log-probs line up with vLLM's on the model's tokens; the same task as an episode()
+function (launch/agent_lookup_episode.py) under --async_train --max_staleness 0 reproduces it exactly;
+with --max_staleness 1 each step trains on samples one update old, and the lookup task is learnt."""
 
 import os
 
@@ -55,36 +54,26 @@ def test_multiturn_episodes_train_on_the_models_tokens(sync_run):
     assert sum(m["train/episode_forks"] for m in steps) <= 12
 
 
-def test_staleness_zero_is_the_synchronous_run(sync_run, assets, rl_start_model, tmp_path):
+def test_async_staleness_zero_with_an_episode_function_is_the_synchronous_env_run(sync_run, assets, rl_start_model,
+                                                                                 tmp_path):
+    """--async_train --max_staleness 0 over launch/agent_lookup_episode.py (the task as an episode() function:
+    one engine call per turn and episode) trains exactly as the synchronous Env run (every turn of all episodes
+    in one call): staleness 0 waits for each step's samples on the current weights, and vLLM's seeded samples do
+    not depend on the batch."""
     sync_tmp, sync = sync_run
-    run_script("ppo.py", lookup_args(assets, rl_start_model, tmp_path, "--max_steps", 3, "--async_train",
-                                     "--max_staleness", 0), timeout=900)
-    async0 = steps_of(tmp_path / "metrics.jsonl")
-    assert len(async0) == len(sync) == 3
-    for s, a in zip(sync, async0):
-        assert a["async/staleness"] == 0 and a["async/policy_version"] == s["step"] - 1
-        for key in ("train/reward", "train/episode_length", "train/policy_loss", "train/grad_norm",
-                    "critic/value_loss", "critic/explained_variance", "check/vllm_logp_max_abs_diff"):
-            assert a[key] == s[key], (key, s["step"], s[key], a[key])
-    assert max_weight_diff(sync_tmp / "out", tmp_path / "out") == 0.0
-    assert max_weight_diff(sync_tmp / "out" / "critic", tmp_path / "out" / "critic") == 0.0
-
-
-def test_episode_function_is_the_env_run(sync_run, assets, rl_start_model, tmp_path):
-    """launch/agent_lookup_episode.py (the task as an episode() function: one engine call per turn and episode)
-    trains exactly as the Env run (every turn of all episodes in one call): vLLM's seeded samples do not depend on
-    the batch."""
-    env_tmp, env_steps = sync_run
-    args = lookup_args(assets, rl_start_model, tmp_path, "--max_steps", 3)
+    args = lookup_args(assets, rl_start_model, tmp_path, "--max_steps", 3, "--async_train", "--max_staleness", 0)
     args[args.index("--agent_func_path") + 1] = os.path.join(ROOT, "launch", "agent_lookup_episode.py")
     run_script("ppo.py", args, timeout=900)
     steps = steps_of(tmp_path / "metrics.jsonl")
-    assert len(steps) == len(env_steps) == 3
-    for s, f in zip(env_steps, steps):
+    assert len(steps) == len(sync) == 3
+    for s, a in zip(sync, steps):
+        assert a["async/staleness"] == 0 and a["async/policy_version"] == s["step"] - 1
         for key in ("train/reward", "train/episode_length", "train/episode_turns", "train/episode_forks",
-                    "train/policy_loss", "critic/value_loss", "check/vllm_logp_max_abs_diff"):
-            assert f[key] == s[key], (key, s["step"], s[key], f[key])
-    assert max_weight_diff(env_tmp / "out", tmp_path / "out") == 0.0
+                    "train/policy_loss", "train/grad_norm", "critic/value_loss", "critic/explained_variance",
+                    "check/vllm_logp_max_abs_diff"):
+            assert a[key] == s[key], (key, s["step"], s[key], a[key])
+    assert max_weight_diff(sync_tmp / "out", tmp_path / "out") == 0.0
+    assert max_weight_diff(sync_tmp / "out" / "critic", tmp_path / "out" / "critic") == 0.0
 
 
 def test_one_step_off_policy_learns(assets, rl_start_model, tmp_path):
