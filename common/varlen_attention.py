@@ -1,23 +1,25 @@
 """Causal attention per packed sample on CPU: a varlen kernel with flash-attention's contract, and the
 transformers attention implementation (`varlen_sdpa`) that packed and padded batches use on CPU.
 
-A packed row holds several samples whose `position_ids` restart at 0. transformers' `sdpa` path
-builds an L x L block-diagonal mask for such a row and attends over all of it (L² work, ~36 ms per
-call for a 2,500-token row of 16 samples on 2 cores); attending within each sample does Σ lᵢ²
-(~3.5 ms). The kernel here runs torch's fused CPU attention (`_scaled_dot_product_flash_attention
-_for_cpu` and its backward, the ops `scaled_dot_product_attention` itself dispatches to) once per
-sample, in flash-attention's varlen layout: tokens of all samples concatenated, (total, heads,
-head_dim), samples delimited by `cu_seqlens`; forward returns the output and the log-sum-exp of
-each query, backward the gradients. Keys longer than queries (a query block at the end of its
-sample, as in ring attention) are aligned bottom-right, as flash-attention aligns them.
+A packed row holds several samples whose `position_ids` restart at 0. transformers' `sdpa` path builds
+an L x L block-diagonal mask for such a row and attends over all of it (L² work, ~36 ms per call for a
+2,500-token row of 16 samples on 2 cores); attending within each sample does Σ lᵢ² (~3.5 ms). The kernel
+here runs torch's fused CPU attention (`_scaled_dot_product_flash_attention_for_cpu` and its backward,
+the ops `scaled_dot_product_attention` itself dispatches to) once per group of samples of one length
+(`SampleGroups`), in flash-attention's varlen layout: tokens of all samples concatenated, (total, heads,
+head_dim), samples delimited by `cu_seqlens`; forward returns the output and the log-sum-exp of each
+query, backward the gradients. Keys longer than queries (a query block at the end of its sample, as in
+ring attention) are aligned bottom-right, as flash-attention aligns them.
 
-The attention implementation takes sample boundaries from `position_ids` (every collated batch
-of common.packing carries them: packed rows, and padded rows whose padding tail restarts at 0),
-so it gets no mask: transformers builds none for a name it has no mask function for. A row may also
-hold shared-prefix branches (a DPO pair's rejected response after its chosen sample, whose prompt it
-reuses: see `attention_segments`), which attend to their root's prefix without a copy of it. Calls with
-a KV cache (generation: fewer queries than keys) go to transformers' sdpa; generate from models
-loaded with the default `sdpa`, as exports are (save_pretrained does not store the name).
+The attention implementation takes sample boundaries from `position_ids` (every collated batch of
+common.packing carries them: packed rows, and padded rows whose padding tail restarts at 0), so it gets
+no mask: transformers builds none for a name it has no mask function for. A row may also hold
+shared-prefix branches (a DPO pair's rejected response after its chosen sample, whose prompt it reuses:
+see `attention_segments`), which attend to their root's prefix without a copy of it. The groups are
+worked out once per batch, at the first layer (`batch_groups`), not in every layer's forward and
+backward: at a DPO step's shape that bookkeeping had cost more than the kernels. Calls with a KV cache
+(generation: fewer queries than keys) go to transformers' sdpa; generate from models loaded with the
+default `sdpa`, as exports are (save_pretrained does not store the name).
 """
 
 import torch
