@@ -80,8 +80,13 @@ class SampleGroups:
                 ~visible, float("-inf"))
         return self._masks[key]
 
-    def order(self, x, index):
-        return x if index is None else x[index]
+    def order_q(self, x):
+        """Rows of x (q's order) in group order."""
+        return x if self.q_order is None else x[self.q_order]
+
+    def order_k(self, x):
+        """Rows of x (k's order) in group order."""
+        return x if self.k_order is None else x[self.k_order]
 
     def restore_q(self, x):
         """Rows of x, in group order, back in q's order."""
@@ -170,8 +175,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=Tr
     """q: (total_q, heads, dim); k, v: (total_k, kv_heads, dim); sample i is rows
     cu_seqlens[i]:cu_seqlens[i + 1]. Returns out (total_q, heads, dim) and lse (heads, total_q), fp32."""
     groups = SampleGroups(cu_seqlens_q, cu_seqlens_k, q.device)
-    out, lse = grouped_forward(groups.order(q, groups.q_order), groups.order(k, groups.k_order),
-                               groups.order(v, groups.k_order), groups, softmax_scale, causal)
+    out, lse = grouped_forward(groups.order_q(q), groups.order_k(k), groups.order_k(v), groups, softmax_scale, causal)
     return groups.restore_q(out), groups.lse_heads_first(lse)
 
 
@@ -179,8 +183,8 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax
     """Gradients (dq, dk, dv) of varlen_forward, shaped like q, k, v (grouped heads summed back)."""
     groups = SampleGroups(cu_seqlens_q, cu_seqlens_k, q.device)
     dq, dk, dv = grouped_backward(
-        *(groups.order(x, groups.q_order) for x in (dout, q)), *(groups.order(x, groups.k_order) for x in (k, v)),
-        groups.order(out, groups.q_order), groups.lse_grouped(lse), groups, softmax_scale, causal)
+        groups.order_q(dout), groups.order_q(q), groups.order_k(k), groups.order_k(v), groups.order_q(out),
+        groups.lse_grouped(lse), groups, softmax_scale, causal)
     return groups.restore_q(dq), groups.sum_into_k(dk), groups.sum_into_k(dv)
 
 
@@ -189,7 +193,7 @@ class _VarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, groups, softmax_scale):
-        q, k, v = groups.order(q, groups.q_order), groups.order(k, groups.k_order), groups.order(v, groups.k_order)
+        q, k, v = groups.order_q(q), groups.order_k(k), groups.order_k(v)
         out, lse = grouped_forward(q, k, v, groups, softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.groups, ctx.softmax_scale = groups, softmax_scale
@@ -199,8 +203,7 @@ class _VarlenAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         groups = ctx.groups
-        dq, dk, dv = grouped_backward(groups.order(dout, groups.q_order), q, k, v, out, lse, groups,
-                                      ctx.softmax_scale)
+        dq, dk, dv = grouped_backward(groups.order_q(dout), q, k, v, out, lse, groups, ctx.softmax_scale)
         return groups.restore_q(dq), groups.sum_into_k(dk), groups.sum_into_k(dv), None, None
 
 
