@@ -74,7 +74,8 @@ def test_grpo_engine_that_cannot_start(assets, tmp_path):
     print(f"{seconds:.1f} s: {errors}")
     assert len(errors) == 1 and errors[0].startswith("error: vLLM engine 0 failed to start: "), errors
     assert "ValueError: Available memory on node" in errors[0], errors
-    assert seconds < 90, seconds  # Ray ~3 s + the engine's attempt ~20 s; no 600 s rendezvous
+    # Ray ~3 s + the engine's attempt (~20 s on AVX512 CPUs, ~50 s on AVX2-only ones); far below the 600 s rendezvous
+    assert seconds < 240, seconds
     assert_none_left(tag)
 
 
