@@ -353,6 +353,10 @@ def create_vllm_actor(model_path, args: EngineArgs, num_cpus=1, num_gpus=0, enab
 
     class VLLMActor:
         def __init__(self, path, engine_args, enable_sleep, colocated, max_num_seqs):
+            if engine_args.tp_size == 1:
+                # this process is the engine's alone: its core and worker run here instead of in two processes
+                # spawned to re-import vLLM (start-up on CPU ~20 s -> ~8 s; 48 -> 19 s on an AVX2-only CPU)
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             self.llm = create_vllm_engine(path, engine_args, enable_sleep, colocated, max_num_seqs)
 
         def generate(self, prompt_ids, sampling, seeds=None):
