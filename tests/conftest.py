@@ -73,6 +73,17 @@ def run_script(script, args, nproc=1, timeout=600, expect_ok=True, env=None):
     return proc
 
 
+def run_scripts(runs, workers=2):
+    """run_script(script, args, **options) for each (script, args, options) of `runs`, `workers` at a time:
+    independent runs a test compares overlap their start-up (imports, rendezvous, engine start, mostly one core
+    each); the completed processes in the order given."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(run_script, script, args, **options) for script, args, options in runs]
+        return [f.result() for f in futures]
+
+
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -5,7 +5,7 @@ rollouts ahead."""
 
 import pytest
 
-from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script
+from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script, run_scripts
 from test_grpo import REWARD, grpo_args
 
 grpo = load_algo("grpo")
@@ -17,14 +17,14 @@ def steps_of(path):
 
 def test_staleness_zero_is_the_synchronous_run(assets, rl_start_model, tmp_path):
     """16 prompts x 8 samples in two optimizer steps: the old-log-prob forward runs, as off-policy runs need."""
-    runs = {}
-    for name, extra in (("sync", []), ("async0", ["--async_train", "--max_staleness", 0])):
-        out = tmp_path / name
-        args = grpo_args(assets, rl_start_model, out, "--rollout_batch_size", 16, "--train_batch_size", 64,
-                         "--actor_learning_rate", 1e-4, "--max_steps", 3, *extra)
-        args[args.index("--eval_dataset"): args.index("--eval_dataset") + 2] = []
-        run_script("grpo.py", args, timeout=900)
-        runs[name] = steps_of(out / "metrics.jsonl")
+    configs = {"sync": [], "async0": ["--async_train", "--max_staleness", 0]}
+    cli = {}
+    for name, extra in configs.items():
+        cli[name] = grpo_args(assets, rl_start_model, tmp_path / name, "--rollout_batch_size", 16,
+                              "--train_batch_size", 64, "--actor_learning_rate", 1e-4, "--max_steps", 3, *extra)
+        cli[name][cli[name].index("--eval_dataset"): cli[name].index("--eval_dataset") + 2] = []
+    run_scripts([("grpo.py", cli[name], {"timeout": 900}) for name in configs])
+    runs = {name: steps_of(tmp_path / name / "metrics.jsonl") for name in configs}
     for sync, async0 in zip(runs["sync"], runs["async0"]):
         assert async0["async/staleness"] == 0 and async0["async/policy_version"] == sync["step"] - 1
         for key in ("train/reward", "train/policy_loss", "train/grad_norm", "check/vllm_logp_max_abs_diff"):

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import load_algo, max_weight_diff, read_jsonl, run_script
+from conftest import load_algo, max_weight_diff, read_jsonl, run_script, run_scripts
 
 from common.data import DataArgs
 
@@ -212,9 +212,11 @@ def test_distillation_learns(assets, teacher, tmp_path):
               "--eval_dataset", f"{data}/sft_test.jsonl", *TASK, "--max_samples", 1920, "--train_batch_size", 32,
               "--micro_train_batch_size", 16, "--learning_rate", 3e-3, "--kd_coef", 1.0, "--seed", 42]
     first, last = {}, {}
-    for name, teacher_model in (("trained", teacher), ("untrained", f"{assets}/qwen2-0.5m")):
-        run_script("distill.py", [*common, "--teacher_model", teacher_model, "--save_path", tmp_path / name,
-                                  "--metrics_file", tmp_path / f"{name}.jsonl"])
+    teachers = {"trained": teacher, "untrained": f"{assets}/qwen2-0.5m"}
+    run_scripts([("distill.py", [*common, "--teacher_model", teacher_model, "--save_path", tmp_path / name,
+                                 "--metrics_file", tmp_path / f"{name}.jsonl"], {})
+                 for name, teacher_model in teachers.items()])
+    for name in teachers:
         evals = [m for m in read_jsonl(tmp_path / f"{name}.jsonl") if "eval/kd" in m]
         first[name], last[name] = evals[0], evals[-1]
     report = {name: {when: {k: round(m[k], 4) for k in ("eval/kd", "eval/nll", "eval/token_accuracy")}

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import load_algo, max_weight_diff, read_jsonl, run_script
+from conftest import load_algo, max_weight_diff, read_jsonl, run_script, run_scripts
 
 from common.packing import response_logps
 
@@ -137,11 +137,11 @@ def test_one_step_equal_across_zero_packing_reference_modes(assets, sft_model, t
               "--learning_rate", 1e-4, "--max_norm", 0, "--seed", 1, "--beta", 0.1, "--undesirable_loss_weight", 1.5]
     runs = {"base": (1, 8, 0, []), "live": (1, 8, 0, ["--no_ref_cache"]), "padded": (1, 8, 0, ["--no_packing_samples"]),
             "zero3": (2, 4, 3, [])}
-    results = {}
-    for name, (nproc, micro, zero, extra) in runs.items():
-        run_script("kto.py", [*common, "--micro_train_batch_size", micro, "--zero_stage", zero, *extra,
+    run_scripts([("kto.py", [*common, "--micro_train_batch_size", micro, "--zero_stage", zero, *extra,
                               "--save_path", tmp_path / name, "--metrics_file", tmp_path / f"{name}.jsonl"],
-                              nproc=nproc)
+                  {"nproc": nproc}) for name, (nproc, micro, zero, extra) in runs.items()])
+    results = {}
+    for name in runs:
         (results[name],) = read_jsonl(tmp_path / f"{name}.jsonl")
 
     # the plain implementation: padded rows, reference = the same weights, so r = 0 and z = 0

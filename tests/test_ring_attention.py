@@ -153,7 +153,7 @@ def curves(path):
 def test_script_with_a_ring_of_two_equals_data_parallel(assets, tmp_path, script):
     """`--ring_attn_size 2` on 2 ranks (one data-parallel replica, each packed row split over the ring) gives the
     loss curve, log-probs and gradient norms of one process with the same global batch and micro-batches."""
-    from conftest import max_weight_diff, run_script
+    from conftest import max_weight_diff, run_scripts
 
     data = f"{assets}/data/reverse"
     common = ["--pretrain", f"{assets}/llama-0.5m", "--apply_chat_template", "--max_len", 64, "--max_samples", 32,
@@ -167,11 +167,10 @@ def test_script_with_a_ring_of_two_equals_data_parallel(assets, tmp_path, script
         common += ["--dataset", f"{data}/pref_train.jsonl", "--learning_rate", 3e-4, "--beta", 0.1,
                    "--nll_loss_coef", 0.5, "--zero_stage", 3]
         keys = ("train/loss", "train/grad_norm", "train/logps/chosen", "train/logps/rejected", "train/nll_loss")
-    runs = {}
-    for name, nproc, extra in (("ring", 2, ["--ring_attn_size", 2]), ("one", 1, [])):
-        run_script(f"{script}.py", [*common, *extra, "--save_path", tmp_path / name, "--metrics_file",
-                                    tmp_path / f"{name}.jsonl"], nproc=nproc)
-        runs[name] = curves(tmp_path / f"{name}.jsonl")
+    configs = (("ring", 2, ["--ring_attn_size", 2]), ("one", 1, []))
+    run_scripts([(f"{script}.py", [*common, *extra, "--save_path", tmp_path / name, "--metrics_file",
+                                   tmp_path / f"{name}.jsonl"], {"nproc": nproc}) for name, nproc, extra in configs])
+    runs = {name: curves(tmp_path / f"{name}.jsonl") for name, *_ in configs}
     assert len(runs["ring"]) == len(runs["one"]) == 2
     worst = {k: max(abs(r[k] - d[k]) / max(abs(d[k]), 1.0) for r, d in zip(runs["ring"], runs["one"])) for k in keys}
     print(f"\n{script} ring vs one process, max |diff| / max(1, |value|):", worst)
@@ -190,7 +189,7 @@ def test_rl_trainers_with_a_ring_of_two_equal_one_rank(assets, rl_start_model, t
     the policy and its reference; ppo.py: actor and critic each a ring of 2) against one rank each, one rollout
     step on the same samples (vLLM samples the same tokens from the same weights and seeds): the losses, KL,
     entropy, values and gradient norms the trainers log, and vLLM's log-probs against the ring's."""
-    from conftest import max_weight_diff, read_jsonl, run_script
+    from conftest import max_weight_diff, read_jsonl, run_scripts
 
     common = ["--pretrain", rl_start_model, "--prompt_data", f"{assets}/data/reverse/rl_train.jsonl",
               "--input_key", "prompt", "--label_key", "answer", "--apply_chat_template",
@@ -205,10 +204,11 @@ def test_rl_trainers_with_a_ring_of_two_equal_one_rank(assets, rl_start_model, t
     else:  # two optimizer steps: the actor's log-probs before the update (a ring), the critic (a ring of its own)
         common += ["--train_batch_size", 8, "--critic_learning_rate", 1e-3]
         ranks = lambda n: ["--actor_num_gpus_per_node", n, "--critic_num_gpus_per_node", n]  # noqa: E731
+    configs = {"ring": [*ranks(2), "--ring_attn_size", 2], "one": ranks(1)}
+    run_scripts([(f"{script}.py", [*common, *extra, "--save_path", tmp_path / name, "--metrics_file",
+                                   tmp_path / f"{name}.jsonl"], {"timeout": 900}) for name, extra in configs.items()])
     runs = {}
-    for name, extra in (("ring", [*ranks(2), "--ring_attn_size", 2]), ("one", ranks(1))):
-        run_script(f"{script}.py", [*common, *extra, "--save_path", tmp_path / name, "--metrics_file",
-                                    tmp_path / f"{name}.jsonl"], timeout=900)
+    for name in configs:
         (runs[name],) = [m for m in read_jsonl(tmp_path / f"{name}.jsonl") if "train/reward" in m]
     ring, one = runs["ring"], runs["one"]
     assert ring["train/reward"] == one["train/reward"] and ring["train/response_length"] == one["train/response_length"]

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script, weights
+from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script, run_scripts, weights
 
 from common.data import DataArgs
 from common.packing import collate, token_logps
@@ -86,17 +86,18 @@ def test_loss_normalisation_across_accumulation_and_ranks(assets, tmp_path):
     data = f"{assets}/data/reverse/sft_train.jsonl"
     common = ["--pretrain", f"{assets}/llama-0.5m", "--dataset", data, *TASK, "--max_samples", 8,
               "--train_batch_size", 8, "--learning_rate", 1e-4, "--max_norm", 0, "--seed", 1]
-    results = {}
-    for name, nproc, micro, zero, extra in [
+    configs = [
         ("micro8", 1, 8, 0, []), ("micro1x8", 1, 1, 0, []), ("ranks2", 2, 2, 2, []), ("zero3", 2, 4, 3, []),
         ("padded", 1, 4, 1, ["--no_packing_samples"]), ("grad_ckpt", 1, 8, 0, ["--gradient_checkpointing"]),
         ("adam_offload", 2, 4, 2, ["--adam_offload"]), ("param_offload", 2, 2, 3, ["--param_offload"]),
-    ]:
-        out = tmp_path / name
-        run_script("sft.py", [*common, "--micro_train_batch_size", micro, "--zero_stage", zero, "--save_path", out,
-                              "--metrics_file", tmp_path / f"{name}.jsonl", *extra], nproc=nproc)
+    ]
+    run_scripts([("sft.py", [*common, "--micro_train_batch_size", micro, "--zero_stage", zero, "--save_path",
+                             tmp_path / name, "--metrics_file", tmp_path / f"{name}.jsonl", *extra], {"nproc": nproc})
+                 for name, nproc, micro, zero, extra in configs])
+    results = {}
+    for name, *_ in configs:
         (m,) = read_jsonl(tmp_path / f"{name}.jsonl")
-        results[name] = (m["train/loss"], m["train/grad_norm"], out)
+        results[name] = (m["train/loss"], m["train/grad_norm"], tmp_path / name)
 
     # reference: the token-mean loss over the same 8 samples, in one plain forward / backward
     from transformers import AutoModelForCausalLM, AutoTokenizer
