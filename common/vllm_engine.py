@@ -355,7 +355,8 @@ def create_vllm_actor(model_path, args: EngineArgs, num_cpus=1, num_gpus=0, enab
         def __init__(self, path, engine_args, enable_sleep, colocated, max_num_seqs):
             if engine_args.tp_size == 1:
                 # this process is the engine's alone: its core and worker run here instead of in two processes
-                # spawned to re-import vLLM (start-up on CPU ~20 s -> ~8 s; 48 -> 19 s on an AVX2-only CPU)
+                # spawned to re-import vLLM (start-up of the 8.5M model on CPU 27.5 -> 10.6 s, 48 -> 19 s on an
+                # AVX2-only CPU; decode steps as fast: benchmarks/bench_vllm.py)
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             self.llm = create_vllm_engine(path, engine_args, enable_sleep, colocated, max_num_seqs)
 
