@@ -498,7 +498,8 @@ def main(args: Args):
         from common.weight_sync import WeightSync  # imports vLLM: only for on-policy runs
 
         llm = (create_vllm_engine(args.model.pretrain, args.vllm, max_num_seqs=default_max_num_seqs(
-            args.train.train_batch_size)) if rank == 0 else None)  # one sample per prompt of every rank
+            args.train.train_batch_size), bf16=uses_bf16(args.train))
+               if rank == 0 else None)  # one sample per prompt of every rank
         sync = WeightSync([llm] if llm is not None else [], colocated=True, tp_size=args.vllm.tp_size,
                           timeout_s=args.rendezvous_timeout)
     start_step = 0

@@ -86,7 +86,8 @@ class TrainArgs:
     param_dtype: Optional[Literal["bf16", "fp32"]] = None
     """Compute precision: bf16 (CUDA: bf16 weights, fp32 master weights and optimizer states; CPU: fp32 weights,
     bf16 matmuls under autocast, ~2x the fp32 speed where the CPU multiplies bf16 natively) or fp32; losses
-    in fp32 either way. Default bf16 on CUDA, fp32 on CPU (bf16 cost the tiny test models accuracy)."""
+    in fp32 either way; vLLM engines follow it. Default bf16 on CUDA, fp32 on CPU (bf16 cost the tiny test models
+    accuracy)."""
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 import tyro
 
 from common.data import BadRow, format_prompt, load_one, validate_prompt_args
-from common.engine import ModelArgs, free_port, init_distributed, set_seed
+from common.engine import ModelArgs, free_port, init_distributed, set_seed, uses_bf16
 from common.episodes import Episode, episode_sample, load_env, run_episodes, validate_agent_args
 from common.packing import collate
 from common.roles import RoleFailed
@@ -348,6 +348,7 @@ def start_engines(args, roles, cpus, gpus, at=None):
     return [roles.add(f"vLLM engine {i}", create_vllm_actor(
                 args.model.pretrain, args.engine, num_cpus=cpus, num_gpus=gpus * args.engine.tp_size,
                 enable_sleep=args.vllm_enable_sleep, colocated=at is not None, max_num_seqs=max_num_seqs,
+                bf16=uses_bf16(args.train),
                 options={"scheduling_strategy": at(i * args.engine.tp_size)} if at else {}))
             for i in range(args.vllm_num_engines)]
 

@@ -192,11 +192,14 @@ def _engine_error(e, model_path, context=""):
 # ----------------------------------------------------------------------------------------------
 # Engines
 # ----------------------------------------------------------------------------------------------
-def create_vllm_engine(model_path, args: EngineArgs, enable_sleep=False, colocated=True, max_num_seqs=None):
+def create_vllm_engine(model_path, args: EngineArgs, enable_sleep=False, colocated=True, max_num_seqs=None,
+                       bf16=False):
     """A vllm.LLM that can receive weights (call from under `if __name__ == "__main__":`);
     enable_sleep lets sleep_engine free its memory on CUDA; colocated: it shares the trainer's
     devices (picks the weight-transfer transport on CUDA; give WeightSync the same); max_num_seqs:
-    the default of --vllm_max_num_seqs (the most sequences one generation call of the run holds).
+    the default of --vllm_max_num_seqs (the most sequences one generation call of the run holds);
+    bf16: the trainer computes in bf16 (common.engine.uses_bf16), so the engine does too (always on CUDA;
+    on CPU fp32 otherwise, where trainer and engine log-probs then agree to ~1e-6).
     A failure to start raises EngineError carrying the root cause the engine printed."""
     from vllm import LLM
     from vllm.config import WeightTransferConfig
@@ -215,13 +218,13 @@ def create_vllm_engine(model_path, args: EngineArgs, enable_sleep=False, colocat
         if args.vllm_gpu_memory_utilization:
             memory["gpu_memory_utilization"] = args.vllm_gpu_memory_utilization
         else:
-            budget = kv_cache_bytes(model_path, max_model_len, seqs, args.tp_size)
+            budget = kv_cache_bytes(model_path, max_model_len, seqs, args.tp_size, dtype_bytes=2 if bf16 else 4)
             memory["kv_cache_memory_bytes"] = budget
     _OutputTail.install()
     _OutputTail.clear()
     try:
         return LLM(
-            model=model_path, tensor_parallel_size=args.tp_size, dtype="bfloat16" if cuda else "float32",
+            model=model_path, tensor_parallel_size=args.tp_size, dtype="bfloat16" if cuda or bf16 else "float32",
             max_model_len=max_model_len, max_num_seqs=seqs, **memory,
             enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager, seed=args.seed,
             worker_extension_cls="common.weight_sync.WeightSyncWorker",
@@ -345,20 +348,20 @@ class HFGenerator:
 # Engines in Ray actors, and calls that work on either kind
 # ----------------------------------------------------------------------------------------------
 def create_vllm_actor(model_path, args: EngineArgs, num_cpus=1, num_gpus=0, enable_sleep=False, colocated=False,
-                      options=None, max_num_seqs=None):
+                      options=None, max_num_seqs=None, bf16=False):
     """A Ray actor holding one vLLM engine (generate, sequence_logprobs, sleep, wake_up, ping, and
     llm_call for any vllm.LLM method); `options` go to Ray's .options() (e.g. a placement-group
-    scheduling strategy); colocated and max_num_seqs as for create_vllm_engine."""
+    scheduling strategy); colocated, max_num_seqs and bf16 as for create_vllm_engine."""
     from common.roles import actor_class
 
     class VLLMActor:
-        def __init__(self, path, engine_args, enable_sleep, colocated, max_num_seqs):
+        def __init__(self, path, engine_args, enable_sleep, colocated, max_num_seqs, bf16):
             if engine_args.tp_size == 1:
                 # this process is the engine's alone: its core and worker run here instead of in two processes
                 # spawned to re-import vLLM (start-up of the 8.5M model on CPU 27.5 -> 10.6 s, 48 -> 19 s on an
                 # AVX2-only CPU; decode steps as fast: benchmarks/bench_vllm.py)
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            self.llm = create_vllm_engine(path, engine_args, enable_sleep, colocated, max_num_seqs)
+            self.llm = create_vllm_engine(path, engine_args, enable_sleep, colocated, max_num_seqs, bf16)
 
         def generate(self, prompt_ids, sampling, seeds=None):
             return vllm_generate(self.llm, prompt_ids, sampling, seeds)
@@ -376,4 +379,4 @@ def create_vllm_actor(model_path, args: EngineArgs, num_cpus=1, num_gpus=0, enab
             return getattr(self.llm, method)(*args)
 
     return actor_class(VLLMActor).options(num_cpus=num_cpus, num_gpus=num_gpus, **(options or {})).remote(
-        model_path, args, enable_sleep, colocated, max_num_seqs)
+        model_path, args, enable_sleep, colocated, max_num_seqs, bf16)

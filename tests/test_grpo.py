@@ -209,10 +209,10 @@ def grpo_args(assets, model, tmp, *extra, reward=REWARD):
             "--save_path", tmp / "out", "--metrics_file", tmp / "metrics.jsonl", *extra]
 
 
-def check_vllm_matches_trainer(metrics):
+def check_vllm_matches_trainer(metrics, tolerance=1e-4):
     """After every sync vLLM's log-probs of the sampled tokens equal the trainer's (checked in the run)."""
     diffs = [m["check/vllm_logp_max_abs_diff"] for m in metrics if "check/vllm_logp_max_abs_diff" in m]
-    assert diffs and max(diffs) <= 1e-4, diffs
+    assert diffs and max(diffs) <= tolerance, diffs
 
 
 def test_grpo_learns_reversal(assets, rl_start_model, tmp_path):
@@ -237,7 +237,8 @@ ESTIMATOR_RUNS = {
                                       2,
                                       "--vllm_enable_sleep"],
     "rloo_lora": ["--advantage_estimator", "rloo", "--lora_rank", 8, "--actor_learning_rate", 1e-3],
-    "reinforce_kl_in_reward_http_reward": ["--advantage_estimator", "reinforce", "--init_kl_coef", 0.01],
+    "reinforce_kl_in_reward_http_reward_bf16": ["--advantage_estimator", "reinforce", "--init_kl_coef", 0.01,
+                                                "--param_dtype", "bf16"],
     "reinforce_baseline_kl_loss_zero3": ["--advantage_estimator", "reinforce_baseline", "--init_kl_coef", 0.01,
                                          "--use_kl_loss", "--kl_estimator", "k3", "--zero_stage", 3],
 }
@@ -260,7 +261,10 @@ def test_estimators_raise_reward(assets, rl_start_model, tmp_path, name):
         if server is not None:
             server.shutdown()
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
-    check_vllm_matches_trainer(metrics)
+    # bf16: vLLM computes in bf16 too, and rounds differently from the trainer's autocast (measured 0.08-0.23)
+    check_vllm_matches_trainer(metrics, 0.4 if "bf16" in name else 1e-4)
+    if "bf16" in name:  # the engine follows the trainer's precision
+        assert "dtype=torch.bfloat16" in proc.stdout + proc.stderr
     rewards = [m["train/reward"] for m in metrics if "train/reward" in m]
     evals = [m["eval/pass@1"] for m in metrics if "eval/pass@1" in m]
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4, rewards  # the sampled reward rises

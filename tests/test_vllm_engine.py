@@ -75,6 +75,7 @@ def test_kv_cache_budget_is_sized_from_the_run_not_the_machine(assets, tmp_path,
     assert kv_cache_bytes(big, 300, 8) == int(16384 * 384 * 8 * 1.1)  # whole blocks
     assert kv_cache_bytes(big, 128, 256, tp_size=2) == int(8192 * 128 * 256 * 1.1)  # each worker its half of the heads
     assert kv_cache_bytes(small, 64, 1) == 16 << 20  # the floor
+    assert kv_cache_bytes(big, 96, 256, dtype_bytes=2) == int(2 * 8 * 4 * 64 * 2 * 128 * 256 * 1.1)  # bf16 engines
     budgets = []
     for node_gib in (3.6, 10.2, 24.0):
         info = cpu_resource_utils.MemoryNodeInfo(total_memory=int(node_gib * 2**30),
