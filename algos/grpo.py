@@ -125,7 +125,7 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
     actor_num_gpus_per_node: int = 1
     """Trainer ranks per node (devices on CUDA, processes on CPU)."""
     vllm_num_engines: int = 1
-    """vLLM engines (each --vllm_tensor_parallel_size devices)."""
+    """vLLM engines (each --vllm_tensor_parallel_size devices; on CPU one engine's decode loop uses one core)."""
     colocate_all_models: bool = False
     """Put trainers, vLLM engines and reward models on the same devices (one placement-group bundle each)."""
     vllm_enable_sleep: bool = False

@@ -147,7 +147,7 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
     critic_num_gpus_per_node: int = 1
     """Critic trainer ranks per node (devices on CUDA, processes on CPU)."""
     vllm_num_engines: int = 1
-    """vLLM engines (each --vllm_tensor_parallel_size devices)."""
+    """vLLM engines (each --vllm_tensor_parallel_size devices; on CPU one engine's decode loop uses one core)."""
     colocate_actor_ref: bool = False
     """Put each reference rank on its actor rank's device (needs --init_kl_coef > 0)."""
     colocate_critic_reward: bool = False
