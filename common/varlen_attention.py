@@ -15,15 +15,24 @@ The attention implementation takes sample boundaries from `position_ids` (every 
 common.packing carries them: packed rows, and padded rows whose padding tail restarts at 0), so it gets
 no mask: transformers builds none for a name it has no mask function for. A row may also hold
 shared-prefix branches (a DPO pair's rejected response after its chosen sample, whose prompt it reuses:
-see `attention_segments`), which attend to their root's prefix without a copy of it. The groups are
-worked out once per batch, at the first layer (`batch_groups`), not in every layer's forward and
-backward: at a DPO step's shape that bookkeeping had cost more than the kernels. Calls with a KV cache
+see `attention_segments`), which attend to their root's prefix without a copy of it. The plan is
+worked out once per batch, at the first layer (`batch_plan`), not in every layer's forward and
+backward: at a DPO step's shape that bookkeeping had cost more than the kernels.
+
+Short samples take another route (`SampleBlocks`): each sample, with its branches, is laid out in one
+of equal blocks as long as the longest, padded, and the blocks are attended in a single call of the
+fused op with a mask of who sees whom. That does more arithmetic than per-length groups (a block is
+attended whole) but makes one call per layer instead of one per group; at a DPO step's shape (16 pairs,
+~25 groups per layer) forward + backward went ~178 -> ~151 ms. `batch_plan` weighs the blocks' extra
+arithmetic against the groups' extra calls (a long-tailed row keeps the groups). Calls with a KV cache
 (generation: fewer queries than keys) go to transformers' sdpa; generate from models loaded with the
 default `sdpa`, as exports are (save_pretrained does not store the name).
 """
 
 import torch
 from transformers import AttentionInterface
+
+from common.packing import pack_sequences
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 NAME = "varlen_sdpa"  # no "flash" in it: transformers treats any such name as a flash-attention build
@@ -207,17 +216,22 @@ class _VarlenAttention(torch.autograd.Function):
         return groups.restore_q(dq), groups.sum_into_k(dk), groups.sum_into_k(dv), None, None
 
 
+def _segments(flat):
+    """Segment bounds [a0, a1, ..., total] of flattened positions (a segment starts at position 0 or where
+    positions do not follow on) and each segment's first position."""
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = (flat[1:] == 0) | (flat[1:] != flat[:-1] + 1)
+    bounds = torch.nonzero(starts).flatten().tolist() + [flat.numel()]
+    return bounds, flat[bounds[:-1]].tolist()
+
+
 def attention_segments(position_ids):
     """(cu_seqlens_q, key index, cu_seqlens_k) of the flattened rows. A segment starts where a position is 0
     (a new sample) or does not follow the previous one: a segment starting at position s > 0 is a branch
     (common.packing.collate's `share_prefixes`) of the last sample that started at 0, and attends to that
     sample's first s tokens, then to itself. The key index gathers each segment's keys (None: no branches,
     every segment attends to itself)."""
-    flat = position_ids.reshape(-1)
-    starts = torch.ones_like(flat, dtype=torch.bool)
-    starts[1:] = (flat[1:] == 0) | (flat[1:] != flat[:-1] + 1)
-    bounds = torch.nonzero(starts).flatten().tolist() + [flat.numel()]
-    first_positions = flat[bounds[:-1]].tolist()
+    bounds, first_positions = _segments(position_ids.reshape(-1))
     if not any(first_positions):
         return bounds, None, bounds
     cu_k, keys, root, root_len = [0], [], 0, 0
@@ -235,17 +249,113 @@ def attention_segments(position_ids):
     return bounds, torch.cat(keys).to(position_ids.device), cu_k
 
 
+class SampleBlocks:
+    """A batch's samples, each with the branches that follow it (a unit), in `count` blocks of `size` tokens
+    (the longest unit's; first-fit decreasing), the rest of a block padding. `slot_token` gathers tokens
+    into block slots (a padding slot reads token 0) and `token_slot` reads them back. In a block a query
+    sees the earlier tokens of its own segment and, in a branch starting at position s, the first s tokens
+    of its root sample (`mask`); a padding slot sees only itself, so that its softmax is defined, and no
+    real query sees it."""
+
+    def __init__(self, flat_positions):
+        bounds, first_positions = _segments(flat_positions)
+        units, roots = [], []  # units: [start, end) of a sample and its branches; roots: each segment's sample
+        for i, (a, b, s) in enumerate(zip(bounds[:-1], bounds[1:], first_positions)):
+            if s == 0 or not units:
+                units.append([a, b])
+                root = i
+            else:
+                units[-1][1] = b
+            roots.append(root)
+        self.size = max(b - a for a, b in units)
+        blocks = pack_sequences([b - a for a, b in units], self.size)
+        self.count = len(blocks)
+        slots = []
+        for block in blocks:
+            tokens = [t for u in block for t in range(*units[u])]
+            slots += tokens + [-1] * (self.size - len(tokens))
+        device = flat_positions.device
+        slot_token = torch.tensor(slots, device=device)
+        real = slot_token >= 0
+        self.slot_token = slot_token.clamp(min=0)
+        self.token_slot = torch.nonzero(real).flatten()[torch.argsort(slot_token[real])]
+        segment = torch.repeat_interleave(torch.arange(len(roots), device=device),
+                                          torch.tensor(bounds, device=device).diff())[self.slot_token]
+        alone = -1 - torch.arange(len(slots), device=device)  # a padding slot's own segment
+        self._segment = torch.where(real, segment, alone).view(self.count, self.size)
+        self._position = torch.where(real, flat_positions[self.slot_token], 0).view(self.count, self.size)
+        self._root = torch.where(real, torch.tensor(roots, device=device)[segment], alone).view(self.count, self.size)
+        self._first = torch.where(real, torch.tensor(first_positions, device=device)[segment], 0).view(
+            self.count, self.size)
+        self._masks = {}
+
+    def mask(self, like):
+        """Additive mask (count, 1, size, size) in like's dtype: 0 where a query sees a key, -inf elsewhere."""
+        if like.dtype not in self._masks:
+            seg, pos, root, first = self._segment, self._position, self._root, self._first
+            own = (seg[:, :, None] == seg[:, None, :]) & (pos[:, None, :] <= pos[:, :, None])
+            prefix = (root[:, :, None] == seg[:, None, :]) & (pos[:, None, :] < first[:, :, None])
+            self._masks[like.dtype] = torch.zeros(own.shape, dtype=like.dtype, device=like.device).masked_fill(
+                ~(own | prefix), float("-inf"))[:, None]
+        return self._masks[like.dtype]
+
+    def to_blocks(self, x):
+        """(tokens, heads, dim) -> (count, heads, size, dim)."""
+        return x[self.slot_token].view(self.count, self.size, *x.shape[1:]).transpose(1, 2)
+
+    def from_blocks(self, x):
+        """(count, heads, size, dim) -> (tokens, heads, dim)."""
+        return x.transpose(1, 2).reshape(self.count * self.size, *x.shape[1:2], x.shape[3])[self.token_slot]
+
+
+class _BlockAttention(torch.autograd.Function):
+    """Attention of q, k, v (tokens, heads, dim) as SampleBlocks: one call of the fused op, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, blocks, softmax_scale):
+        heads = q.shape[1]
+        q, k, v = blocks.to_blocks(q), blocks.to_blocks(_repeat_kv(k, heads)), blocks.to_blocks(_repeat_kv(v, heads))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=blocks.mask(q), scale=softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.blocks, ctx.softmax_scale, ctx.kv_heads = blocks, softmax_scale, k.shape[1]
+        return blocks.from_blocks(out)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        blocks = ctx.blocks
+        gradients = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            blocks.to_blocks(dout), q, k, v, out, lse, 0.0, False, attn_mask=blocks.mask(q), scale=ctx.softmax_scale)
+        dq, dk, dv = (blocks.from_blocks(g) for g in gradients)
+        heads = dq.shape[1]
+        if ctx.kv_heads != heads:
+            dk, dv = (d.view(d.shape[0], ctx.kv_heads, heads // ctx.kv_heads, -1).sum(2) for d in (dk, dv))
+        return dq, dk, dv, None, None
+
+
+# What one more fused call costs, in attention scores (query x key pairs) of one head-dim computed forward and
+# backward in the same time: ~0.15 ms a call against ~18 ns a score of the 8.5M Llama's 4 x 64 head-dims
+# (benchmarks/bench_attention.py), so SampleBlocks while their extra scores cost less
+# than the groups' calls.
+CALL_COST_IN_SCORES = 2_000_000
 _last_batch = {}
 
 
-def batch_groups(position_ids):
-    """The SampleGroups of a batch's rows, built at its first layer and reused by the others (transformers
-    hands every layer the same position_ids tensor)."""
+def batch_plan(position_ids, head_dims):
+    """SampleBlocks or SampleGroups for a batch's rows, whichever is cheaper by CALL_COST_IN_SCORES (heads x
+    head_dim = `head_dims`); built at its first layer and reused by the others (transformers hands every
+    layer the same position_ids tensor)."""
     if _last_batch.get("position_ids") is not position_ids or _last_batch["version"] != position_ids._version:
-        cu_seqlens_q, key_index, cu_seqlens_k = attention_segments(position_ids)
-        _last_batch.update(position_ids=position_ids, version=position_ids._version,
-                           groups=SampleGroups(cu_seqlens_q, cu_seqlens_k, position_ids.device, key_index))
-    return _last_batch["groups"]
+        cu_seqlens_q, key_index, cu_seqlens_k = attention_segments(position_ids)  # raises on a bad branch
+        blocks = SampleBlocks(position_ids.reshape(-1))
+        groups = SampleGroups(cu_seqlens_q, cu_seqlens_k, position_ids.device, key_index)
+        group_scores = sum(n * lq * lk for n, lq, lk in groups.shapes)
+        call_cost = CALL_COST_IN_SCORES / head_dims
+        cheaper = blocks.count * blocks.size**2 + call_cost <= group_scores + call_cost * len(groups.shapes)
+        plan = blocks if cheaper else groups
+        _last_batch.update(position_ids=position_ids, version=position_ids._version, plan=plan)
+    return _last_batch["plan"]
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None,
@@ -265,7 +375,9 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     k = key.transpose(1, 2).reshape(batch * length, key.shape[1], dim)
     v = value.transpose(1, 2).reshape(batch * length, value.shape[1], dim)
     scale = scaling if scaling is not None else dim**-0.5
-    out = _VarlenAttention.apply(q, k, v, batch_groups(position_ids), scale)
+    plan = batch_plan(position_ids, heads * dim)
+    attend = _BlockAttention if isinstance(plan, SampleBlocks) else _VarlenAttention
+    out = attend.apply(q, k, v, plan, scale)
     return out.view(batch, length, heads, dim), None
 
 

@@ -102,13 +102,18 @@ def test_collate_lays_out_shared_prefix_branches():
         collate(samples, 0, one_row=True, share_prefixes=True)
 
 
+@pytest.mark.parametrize("plan", ["blocks", "groups"])
 @pytest.mark.parametrize("name", ["llama-0.5m", "qwen2-0.5m"])
-def test_shared_prefix_branches_equal_separate_samples(assets, name):
+def test_shared_prefix_branches_equal_separate_samples(assets, name, plan, monkeypatch):
     """DPO's layout: each rejected response as a branch of its chosen sample's prompt gives the per-token
-    log-probs, per-sample sums, argmax hits and gradients of the two samples laid out whole (fp32)."""
+    log-probs, per-sample sums, argmax hits and gradients of the two samples laid out whole (fp32), by
+    either plan of the CPU kernel (common.varlen_attention: one masked call over blocks, or per-length groups)."""
     from transformers import AutoModelForCausalLM
 
+    from common import varlen_attention
     from common.varlen_attention import NAME  # registers varlen_sdpa
+
+    monkeypatch.setattr(varlen_attention, "CALL_COST_IN_SCORES", 1e15 if plan == "blocks" else 0.0)
 
     model = AutoModelForCausalLM.from_pretrained(f"{assets}/{name}", attn_implementation=NAME)
     rng = random.Random(1)
@@ -126,6 +131,8 @@ def test_shared_prefix_branches_equal_separate_samples(assets, name):
         model.zero_grad()
         batch = collate(samples, 0, one_row=True, share_prefixes=share)
         logps, _, hits = token_logps(model, batch, return_argmax=True)
+        expected = varlen_attention.SampleBlocks if plan == "blocks" else varlen_attention.SampleGroups
+        assert isinstance(varlen_attention._last_batch["plan"], expected)
         mask = batch["loss_mask"].bool()
         sums = per_sample_sum(logps * batch["loss_mask"], batch)
         (sums * weights).sum().backward()

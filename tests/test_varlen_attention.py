@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from common.packing import collate, token_logps
-from common.varlen_attention import NAME, cu_seqlens_from_position_ids, varlen_backward, varlen_forward
+from common import varlen_attention
+from common.varlen_attention import (
+    NAME, SampleBlocks, batch_plan, cu_seqlens_from_position_ids, varlen_backward, varlen_forward,
+)
 
 
 def reference_attention(q, k, v, cu_q, cu_k, scale):
@@ -54,13 +57,24 @@ def test_cu_seqlens_from_position_ids():
     assert cu_seqlens_from_position_ids(rows) == [0, 3, 5, 6, 10, 12]
 
 
+def force_plan(monkeypatch, plan):
+    """Make varlen_sdpa take SampleBlocks or SampleGroups whatever their costs."""
+    monkeypatch.setattr(varlen_attention, "CALL_COST_IN_SCORES", 1e15 if plan == "blocks" else 0.0)
+
+
+def used_plan():
+    return "blocks" if isinstance(varlen_attention._last_batch["plan"], varlen_attention.SampleBlocks) else "groups"
+
+
+@pytest.mark.parametrize("plan", ["blocks", "groups"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_packed_batch_equals_each_sample_alone_under_sdpa(assets, arch):
-    """Packed rows through varlen_sdpa = every sample alone through transformers' sdpa (fp32):
-    logits and per-token log-probs within 1e-5, gradients of a summed log-prob loss within 1e-5
+def test_packed_batch_equals_each_sample_alone_under_sdpa(assets, arch, plan, monkeypatch):
+    """Packed rows through varlen_sdpa, by either plan = every sample alone through transformers' sdpa
+    (fp32): logits and per-token log-probs within 1e-5, gradients of a summed log-prob loss within 1e-5
     (relative to the largest)."""
     from transformers import AutoModelForCausalLM
 
+    force_plan(monkeypatch, plan)
     torch.manual_seed(0)
     path = f"{assets}/{arch}-0.5m"
     lengths = [9, 17, 4, 30, 12, 21, 9, 17, 9]
@@ -73,6 +87,7 @@ def test_packed_batch_equals_each_sample_alone_under_sdpa(assets, arch):
             batch = collate(samples, 0, packing=True, max_tokens=48)
             assert batch["input_ids"].shape[0] >= 2 and (batch["sample_index"] < 0).any()
             values, _ = token_logps(model, batch)
+            assert used_plan() == plan
             per_sample = [values[r, s:s + n] for r, s, n in batch["spans"]]
         else:
             per_sample = [token_logps(model, collate([s], 0, packing=True))[0][0] for s in samples]
@@ -83,3 +98,35 @@ def test_packed_batch_equals_each_sample_alone_under_sdpa(assets, arch):
     assert (logps[NAME] - logps["sdpa"]).abs().max().item() <= 1e-5
     scale = grads["sdpa"].abs().max().item()
     assert (grads[NAME] - grads["sdpa"]).abs().max().item() <= 1e-5 * scale and scale > 1e-3
+
+
+def test_sample_blocks_layout_and_mask():
+    """A sample with a branch (its last two tokens continue the first two), then samples of 3 and 2 tokens:
+    blocks as long as the longest unit (the sample and its branch, 6 tokens), first-fit decreasing, each
+    query seeing its own segment's earlier tokens and a branch its root's prefix; padding sees itself."""
+    blocks = SampleBlocks(torch.tensor([0, 1, 2, 3, 2, 3, 0, 1, 0, 1, 2]))
+    assert (blocks.count, blocks.size) == (2, 6)
+    assert blocks.slot_token.tolist() == [0, 1, 2, 3, 4, 5, 8, 9, 10, 6, 7, 0]
+    assert blocks.token_slot.tolist() == [0, 1, 2, 3, 4, 5, 9, 10, 6, 7, 8]
+    visible = (blocks.mask(torch.zeros(1)) == 0).int()[:, 0].tolist()
+    assert visible[0] == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0],
+                          [1, 1, 0, 0, 1, 0], [1, 1, 0, 0, 1, 1]]
+    assert visible[1] == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 0, 0],
+                          [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1]]
+
+
+def test_plan_takes_blocks_for_short_samples_and_groups_for_a_long_tail():
+    """batch_plan at the 8.5M Llama's 4 x 64 head-dims: 16 DPO pairs (prompt 8-16, responses 4-12 tokens,
+    rejected as branches) go to one masked call; 60 short samples beside three of 300-500 tokens keep
+    per-length groups (blocks of 500 would attend ~3x the scores)."""
+    rng = torch.Generator().manual_seed(0)
+
+    def lengths(n, low, high):
+        return torch.randint(low, high + 1, (n,), generator=rng).tolist()
+
+    pairs = []
+    for prompt, chosen, rejected in zip(lengths(16, 8, 16), lengths(16, 4, 12), lengths(16, 4, 12)):
+        pairs += list(range(prompt + chosen)) + list(range(prompt, prompt + rejected))
+    assert isinstance(batch_plan(torch.tensor([pairs]), 256), SampleBlocks)
+    tail = [p for n in lengths(60, 10, 35) + [300, 420, 500] for p in range(n)]
+    assert isinstance(batch_plan(torch.tensor([tail]), 256), varlen_attention.SampleGroups)
