@@ -453,8 +453,8 @@ def optimizer_step(engine):
     boundary = engine.is_gradient_accumulation_boundary()
     norm = None
     if boundary and engine.zero_optimization_stage() == 0:  # gradients are all-reduced by now
-        grads = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
-        norm = torch.stack(grads).norm().item() if grads else 0.0
+        grads = [p.grad.detach().float() for p in engine.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads).item() if grads else 0.0  # foreach: one kernel, not one per tensor
     engine.step()
     if boundary and engine.get_global_grad_norm() is not None:
         norm = float(engine.get_global_grad_norm())
