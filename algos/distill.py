@@ -501,7 +501,7 @@ def main(args: Args):
             args.train.train_batch_size), bf16=uses_bf16(args.train))
                if rank == 0 else None)  # one sample per prompt of every rank
         sync = WeightSync([llm] if llm is not None else [], colocated=True, tp_size=args.vllm.tp_size,
-                          timeout_s=args.rendezvous_timeout)
+                          timeout_s=args.rendezvous_timeout, dtype=torch.bfloat16 if uses_bf16(args.train) else None)
     start_step = 0
     if args.ckpt.load_checkpoint:
         state = load_checkpoint(engine, args.ckpt.ckpt_path)

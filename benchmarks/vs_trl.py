@@ -61,6 +61,9 @@ class Args:
     """GRPO responses per prompt."""
     grpo_max_len: int = 32
     """GRPO longest response in tokens."""
+    grpo_micro: int = 32
+    """GRPO samples per training micro-batch, both sides (TRL's per_device_train_batch_size, with gradient
+    accumulation making up --grpo_prompts x --grpo_samples per optimizer step)."""
     grpo_steps: int = 6
     """GRPO steps per run (the first is not counted)."""
     grpo_vllm_engines: int = 2
@@ -134,8 +137,8 @@ import json, os, sys, time
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
-model_path, data_path, prompts, samples, max_len, steps, out = sys.argv[1:8]
-prompts, samples, steps = int(prompts), int(samples), int(steps)
+model_path, data_path, prompts, samples, max_len, steps, micro, out = sys.argv[1:9]
+prompts, samples, steps, micro = int(prompts), int(samples), int(steps), int(micro)
 raw = [json.loads(line) for line in open(data_path)][: prompts * steps]
 ds = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in raw])
 def exact_match(completions, answer, **kwargs):
@@ -144,7 +147,6 @@ times = []
 class Timer(TrainerCallback):
     def on_step_end(self, *a, **k):
         times.append(time.perf_counter())
-micro = 32
 config = GRPOConfig(output_dir=out, per_device_train_batch_size=micro,
                     gradient_accumulation_steps=prompts * samples // micro, num_generations=samples,
                     max_completion_length=int(max_len), max_steps=steps, learning_rate=1e-6, beta=0.0,
@@ -203,7 +205,8 @@ def ours_grpo(args, data, tmp, r, dtype):
          "--apply_chat_template",
          "--remote_rm_url", "launch/rewards/exact_match.py", "--n_samples_per_prompt", str(args.grpo_samples),
          "--rollout_batch_size", str(args.grpo_prompts), "--train_batch_size", str(samples),
-         "--micro_train_batch_size", "32", "--micro_rollout_batch_size", "32", "--actor_num_gpus_per_node", "1",
+         "--micro_train_batch_size", str(args.grpo_micro), "--micro_rollout_batch_size", str(args.grpo_micro),
+         "--actor_num_gpus_per_node", "1",
          "--vllm_num_engines", str(args.grpo_vllm_engines), "--zero_stage", "0",
          "--prompt_max_len", "64", "--generate_max_len", str(args.grpo_max_len), "--max_steps", str(args.grpo_steps),
          "--param_dtype", dtype, "--save_path", os.path.join(tmp, "grpo"), "--metrics_file", metrics],
@@ -257,7 +260,7 @@ def main(args: Args):
                 results["grpo"]["ours"].append(ours_grpo(args, data, tmp, r, dtype))
                 out = run([sys.executable, "-c", TRL_GRPO, args.model, os.path.join(data, "rl_train.jsonl"),
                            str(args.grpo_prompts), str(args.grpo_samples), str(args.grpo_max_len),
-                           str(args.grpo_steps), os.path.join(tmp, "trl_grpo")], env=trl_env)
+                           str(args.grpo_steps), str(args.grpo_micro), os.path.join(tmp, "trl_grpo")], env=trl_env)
                 results["grpo"]["trl"].append(json.loads(out.strip().splitlines()[-1])["step_s"])
             print(f"round {r + 1}: " + json.dumps({a: {s: round(v[-1], 1) for s, v in sides.items()}
                                                    for a, sides in results.items()}), flush=True)

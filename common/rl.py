@@ -334,7 +334,8 @@ def weight_sync(args, rank, engines):
     from common.weight_sync import WeightSync
 
     return WeightSync(engines if rank == 0 else [], colocated=args.colocate_all_models, tp_size=args.engine.tp_size,
-                      host=ray.util.get_node_ip_address(), timeout_s=args.rendezvous_timeout)
+                      host=ray.util.get_node_ip_address(), timeout_s=args.rendezvous_timeout,
+                      dtype=torch.bfloat16 if uses_bf16(args.train) else None)
 
 
 def start_engines(args, roles, cpus, gpus, at=None):

@@ -68,8 +68,9 @@ class HFWeightSource(WeightSource):
     gather are copies (the gathered storage goes when the layer is re-partitioned); others are the
     live parameters, valid until the next optimizer step."""
 
-    def __init__(self, model=None):
+    def __init__(self, model=None, dtype=None):
         self.module = getattr(model, "module", model)
+        self.dtype = dtype  # what the engines hold (bf16 engines beside fp32 CPU training): cast before sending
 
     def _layers(self):
         """(layer name, own parameters, LoRA adapters) for each layer that holds weights."""
@@ -88,7 +89,7 @@ class HFWeightSource(WeightSource):
                 yield name, params, adapters
 
     def metadata(self):
-        return [ParamMeta(_hf_name(f"{name}.{pname}"), p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
+        return [ParamMeta(_hf_name(f"{name}.{pname}"), self.dtype or p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
                 for name, params, _ in self._layers() for pname, p in params.items()]
 
     def __iter__(self):
@@ -101,7 +102,7 @@ class HFWeightSource(WeightSource):
                         t = (t.float() + sum(s * (b.data.float() @ a.data.float()) for a, b, s in adapters)).to(p.dtype)
                     elif gathered:
                         t = t.clone()
-                    yield _hf_name(f"{name}.{pname}"), t
+                    yield _hf_name(f"{name}.{pname}"), t if self.dtype is None else t.to(self.dtype)
 
 
 def _buckets(meta, bucket_bytes):
@@ -325,11 +326,13 @@ class EngineClient:
 class WeightSync:
     """Pushes the trainer's weights into vLLM engines (in-process LLMs or VLLMActor handles).
     Create and call `sync(model)` on every trainer rank (ZeRO-3 gathers need them all), with the
-    engines on rank 0 and [] elsewhere; `colocated` and `tp_size` as the engines were created
-    (create_vllm_engine / create_vllm_actor): they pick the transport on CUDA. On CPU every wait
+    engines on rank 0 and [] elsewhere; `colocated`, `tp_size` and `dtype` (None: the trainer's) as the engines
+    were created (create_vllm_engine / create_vllm_actor): they pick the transport on CUDA, and fp32 weights
+    go to bf16 engines as bf16 (half the bytes). On CPU every wait
     of the weight-sync group (members joining, each broadcast) ends after `timeout_s`."""
 
-    def __init__(self, engines, *, colocated, tp_size=1, host="127.0.0.1", bucket_bytes=64 << 20, timeout_s=120.0):
+    def __init__(self, engines, *, colocated, tp_size=1, host="127.0.0.1", bucket_bytes=64 << 20, timeout_s=120.0,
+                 dtype=None):
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
@@ -343,7 +346,7 @@ class WeightSync:
             info = NCCLTrainerInitInfo(host, port, world, rank=rank)
         else:
             info = IPCTrainerInitInfo(rank=rank, packed=True)  # bounded memory: chunks through one buffer
-        self.source = HFWeightSource()
+        self.source = HFWeightSource(dtype=dtype)
         self.transfer = WeightTransferTrainerFactory.trainer_init(
             info, client=EngineClient(engines, tp_size), source=self.source)
 

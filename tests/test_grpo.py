@@ -265,6 +265,14 @@ def test_estimators_raise_reward(assets, rl_start_model, tmp_path, name):
     check_vllm_matches_trainer(metrics, 0.4 if "bf16" in name else 1e-4)
     if "bf16" in name:  # the engine follows the trainer's precision
         assert "dtype=torch.bfloat16" in proc.stdout + proc.stderr
+    from transformers import AutoModelForCausalLM
+
+    from common.weight_sync import HFWeightSource
+
+    weights = sum(math.prod(m.shape) for m in HFWeightSource(AutoModelForCausalLM.from_pretrained(rl_start_model))
+                  .metadata())
+    sent = {round(m["perf/sync_mb"] * 2**20) for m in metrics if m.get("perf/sync_mb")}
+    assert sent == {weights * (2 if "bf16" in name else 4)}, sent  # fp32 weights go to bf16 engines as bf16
     rewards = [m["train/reward"] for m in metrics if "train/reward" in m]
     evals = [m["eval/pass@1"] for m in metrics if "eval/pass@1" in m]
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4, rewards  # the sampled reward rises
