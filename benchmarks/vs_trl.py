@@ -21,6 +21,8 @@ GRPO: seconds per step of --grpo_prompts x --grpo_samples responses of at most -
 (one optimizer step per rollout, no reference model); ours generates with vLLM (--grpo_vllm_engines
 engines, one trainer rank), TRL with transformers' generate (its vLLM modes need CUDA). Ours trains
 with ZeRO-0 (one rank: ZeRO-2 would partition nothing and only add its gradient copies), as in SFT and DPO.
+Both sides train on --grpo_micro samples per micro-batch (default all 128 of a step: fastest for ours,
+no slower for TRL).
 """
 
 import json
@@ -61,9 +63,11 @@ class Args:
     """GRPO responses per prompt."""
     grpo_max_len: int = 32
     """GRPO longest response in tokens."""
-    grpo_micro: int = 32
+    grpo_micro: int = 128
     """GRPO samples per training micro-batch, both sides (TRL's per_device_train_batch_size, with gradient
-    accumulation making up --grpo_prompts x --grpo_samples per optimizer step)."""
+    accumulation making up --grpo_prompts x --grpo_samples per optimizer step). Measured alternating, 8 steps
+    each: ours 2.96-2.97 s a step at 128 against 3.42-3.98 at 32 (train phase 1.5-1.7 s against 2.1-2.5);
+    TRL 4.32-4.60 at 128 against 4.50-4.74 at 32."""
     grpo_steps: int = 6
     """GRPO steps per run (the first is not counted)."""
     grpo_vllm_engines: int = 2
