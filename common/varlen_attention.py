@@ -313,12 +313,12 @@ class _BlockAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, blocks, softmax_scale):
-        heads = q.shape[1]
+        heads, kv_heads = q.shape[1], k.shape[1]
         q, k, v = blocks.to_blocks(q), blocks.to_blocks(_repeat_kv(k, heads)), blocks.to_blocks(_repeat_kv(v, heads))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=blocks.mask(q), scale=softmax_scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.blocks, ctx.softmax_scale, ctx.kv_heads = blocks, softmax_scale, k.shape[1]
+        ctx.blocks, ctx.softmax_scale, ctx.kv_heads = blocks, softmax_scale, kv_heads
         return blocks.from_blocks(out)
 
     @staticmethod
