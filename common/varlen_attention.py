@@ -305,7 +305,7 @@ class SampleBlocks:
 
     def from_blocks(self, x):
         """(count, heads, size, dim) -> (tokens, heads, dim)."""
-        return x.transpose(1, 2).reshape(self.count * self.size, *x.shape[1:2], x.shape[3])[self.token_slot]
+        return x.transpose(1, 2).reshape(self.count * self.size, x.shape[1], x.shape[3])[self.token_slot]
 
 
 class _BlockAttention(torch.autograd.Function):
@@ -349,11 +349,15 @@ def batch_plan(position_ids, head_dims):
     if _last_batch.get("position_ids") is not position_ids or _last_batch["version"] != position_ids._version:
         cu_seqlens_q, key_index, cu_seqlens_k = attention_segments(position_ids)  # raises on a bad branch
         blocks = SampleBlocks(position_ids.reshape(-1))
-        groups = SampleGroups(cu_seqlens_q, cu_seqlens_k, position_ids.device, key_index)
-        group_scores = sum(n * lq * lk for n, lq, lk in groups.shapes)
+        shapes = [(cu_seqlens_q[i + 1] - cu_seqlens_q[i], cu_seqlens_k[i + 1] - cu_seqlens_k[i])
+                  for i in range(len(cu_seqlens_q) - 1)]
+        group_scores = sum(lq * lk for lq, lk in shapes)
         call_cost = CALL_COST_IN_SCORES / head_dims
-        cheaper = blocks.count * blocks.size**2 + call_cost <= group_scores + call_cost * len(groups.shapes)
-        plan = blocks if cheaper else groups
+        calls = len({shape for shape in shapes if shape[0] > 0})  # SampleGroups: one call per (lq, lk)
+        if blocks.count * blocks.size**2 + call_cost <= group_scores + call_cost * calls:
+            plan = blocks
+        else:
+            plan = SampleGroups(cu_seqlens_q, cu_seqlens_k, position_ids.device, key_index)
         _last_batch.update(position_ids=position_ids, version=position_ids._version, plan=plan)
     return _last_batch["plan"]
 

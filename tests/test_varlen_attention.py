@@ -30,6 +30,18 @@ def reference_attention(q, k, v, cu_q, cu_k, scale):
     return torch.cat(outs), torch.cat(lses, 1)
 
 
+def reference_case(cu_q, cu_k, heads, kv_heads):
+    """Random float64 q, k, v, the reference output and log-sum-exp, an upstream gradient and the reference
+    gradients of q, k, v."""
+    q = torch.randn(cu_q[-1], heads, 16, dtype=torch.float64)
+    k, v = (torch.randn(cu_k[-1], kv_heads, 16, dtype=torch.float64) for _ in range(2))
+    ref_q, ref_k, ref_v = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = reference_attention(ref_q, ref_k, ref_v, cu_q, cu_k, 0.25)
+    dout = torch.randn_like(ref_out)
+    ref_out.backward(dout)
+    return (q, k, v), ref_out.detach(), ref_lse.detach(), dout, (ref_q.grad, ref_k.grad, ref_v.grad)
+
+
 @pytest.mark.parametrize("heads,kv_heads,query_block", [(4, 4, False), (4, 2, False), (4, 1, True)])
 def test_kernel_matches_masked_attention(heads, kv_heads, query_block):
     torch.manual_seed(0)
@@ -37,18 +49,13 @@ def test_kernel_matches_masked_attention(heads, kv_heads, query_block):
     lengths_q = [3, 1, 4, 7, 3, 4, 2] if query_block else lengths_k  # a query block at the end of each sample's keys
     cu_k = [0] + torch.tensor(lengths_k).cumsum(0).tolist()
     cu_q = [0] + torch.tensor(lengths_q).cumsum(0).tolist()
-    q = torch.randn(cu_q[-1], heads, 16, dtype=torch.float64)
-    k, v = (torch.randn(cu_k[-1], kv_heads, 16, dtype=torch.float64) for _ in range(2))
-    ref_q, ref_k, ref_v = (t.clone().requires_grad_() for t in (q, k, v))
-    ref_out, ref_lse = reference_attention(ref_q, ref_k, ref_v, cu_q, cu_k, 0.25)
-    dout = torch.randn_like(ref_out)
-    ref_out.backward(dout)
+    (q, k, v), ref_out, ref_lse, dout, ref_grads = reference_case(cu_q, cu_k, heads, kv_heads)
     q32, k32, v32 = q.float(), k.float(), v.float()
     out, lse = varlen_forward(q32, k32, v32, cu_q, cu_k, 0.25)
     assert (out.double() - ref_out).abs().max().item() <= 1e-5
     assert (lse.double() - ref_lse).abs().max().item() <= 1e-5
     dq, dk, dv = varlen_backward(dout.float(), q32, k32, v32, out, lse, cu_q, cu_k, 0.25)
-    for got, want in ((dq, ref_q.grad), (dk, ref_k.grad), (dv, ref_v.grad)):
+    for got, want in zip((dq, dk, dv), ref_grads):
         assert (got.double() - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
 
 
@@ -61,17 +68,12 @@ def test_block_plan_matches_masked_attention(heads, kv_heads):
     cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
     blocks = SampleBlocks(torch.cat([torch.arange(n) for n in lengths]))
     assert blocks.count > 1 and blocks.count * blocks.size > cu[-1]  # several blocks, some padding
-    q = torch.randn(cu[-1], heads, 16, dtype=torch.float64)
-    k, v = (torch.randn(cu[-1], kv_heads, 16, dtype=torch.float64) for _ in range(2))
-    ref_q, ref_k, ref_v = (t.clone().requires_grad_() for t in (q, k, v))
-    ref_out, _ = reference_attention(ref_q, ref_k, ref_v, cu, cu, 0.25)
-    dout = torch.randn_like(ref_out)
-    ref_out.backward(dout)
+    (q, k, v), ref_out, _, dout, ref_grads = reference_case(cu, cu, heads, kv_heads)
     q32, k32, v32 = (t.float().requires_grad_() for t in (q, k, v))
     out = varlen_attention._BlockAttention.apply(q32, k32, v32, blocks, 0.25)
     out.backward(dout.float())
     assert (out.double() - ref_out).abs().max().item() <= 1e-5
-    for got, want in ((q32.grad, ref_q.grad), (k32.grad, ref_k.grad), (v32.grad, ref_v.grad)):
+    for got, want in zip((q32.grad, k32.grad, v32.grad), ref_grads):
         assert got.shape == want.shape
         assert (got.double() - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
 
