@@ -91,15 +91,15 @@ class SampleGroups:
 
     def order_q(self, x):
         """Rows of x (q's order) in group order."""
-        return x if self.q_order is None else x[self.q_order]
+        return x if self.q_order is None else x.index_select(0, self.q_order)
 
     def order_k(self, x):
         """Rows of x (k's order) in group order."""
-        return x if self.k_order is None else x[self.k_order]
+        return x if self.k_order is None else x.index_select(0, self.k_order)
 
     def restore_q(self, x):
         """Rows of x, in group order, back in q's order."""
-        return x if self.q_restore is None else x[self.q_restore]
+        return x if self.q_restore is None else x.index_select(0, self.q_restore)
 
     def sum_into_k(self, x):
         """Key gradients in group order summed into k's rows."""
@@ -116,11 +116,11 @@ class SampleGroups:
             parts.append(lse[at: at + n * heads * lq].view(n, heads, lq).transpose(0, 1).reshape(heads, n * lq))
             at += n * heads * lq
         out = torch.cat(parts, 1)
-        return out if self.q_restore is None else out[:, self.q_restore]
+        return out if self.q_restore is None else out.index_select(1, self.q_restore)
 
     def lse_grouped(self, lse):
         """The inverse of lse_heads_first."""
-        lse = lse if self.q_order is None else lse[:, self.q_order]
+        lse = lse if self.q_order is None else lse.index_select(1, self.q_order)
         parts, at = [], 0
         for n, lq, _ in self.shapes:
             parts.append(lse[:, at: at + n * lq].view(-1, n, lq).transpose(0, 1).reshape(-1))
@@ -301,11 +301,12 @@ class SampleBlocks:
 
     def to_blocks(self, x):
         """(tokens, heads, dim) -> (count, heads, size, dim)."""
-        return x[self.slot_token].view(self.count, self.size, *x.shape[1:]).transpose(1, 2)
+        return x.index_select(0, self.slot_token).view(self.count, self.size, *x.shape[1:]).transpose(1, 2)
 
     def from_blocks(self, x):
         """(count, heads, size, dim) -> (tokens, heads, dim)."""
-        return x.transpose(1, 2).reshape(self.count * self.size, x.shape[1], x.shape[3])[self.token_slot]
+        blocks = x.transpose(1, 2).reshape(self.count * self.size, x.shape[1], x.shape[3])
+        return blocks.index_select(0, self.token_slot)
 
 
 class _BlockAttention(torch.autograd.Function):
