@@ -437,7 +437,15 @@ def create_train_engine(model, train: TrainArgs, ds_config, num_training_steps):
         train.lr_scheduler, optimizer, num_warmup_steps=int(train.lr_warmup_ratio * num_training_steps),
         num_training_steps=num_training_steps, scheduler_specific_kwargs=extra,
     )
+    # ZeRO-0 without DeepSpeed's bf16 / fp16 wrapper: optimizer_step clips, with the gradient norm it computes for
+    # the log anyway (one foreach pass), instead of DeepSpeed computing it again tensor by tensor (~6 ms of a
+    # DPO step of the 8.5M Llama)
+    wrapped = ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled")
+    clips_in_step = ds_config["zero_optimization"]["stage"] == 0 and not wrapped
+    if clips_in_step:
+        ds_config = {**ds_config, "gradient_clipping": 0.0}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    engine.clip_grad_norm_in_step = train.max_norm if clips_in_step else 0.0
     if dist.get_world_size() == 1 and engine.zero_optimization_stage() == 0 and not (
             engine.bfloat16_enabled() or engine.fp16_enabled()):
         # a world of one has nothing to all-reduce, yet ZeRO-0 flattens every gradient, all-reduces the copy
@@ -449,12 +457,17 @@ def create_train_engine(model, train: TrainArgs, ds_config, num_training_steps):
 
 def optimizer_step(engine):
     """engine.step(); at an accumulation boundary returns the global gradient norm (before
-    clipping), which DeepSpeed keeps for ZeRO 1-3 and which is computed here for ZeRO-0."""
+    clipping), which DeepSpeed keeps for ZeRO 1-3 and which is computed here for ZeRO-0 (and the
+    gradients clipped with it, where create_train_engine left the clipping to this step)."""
     boundary = engine.is_gradient_accumulation_boundary()
     norm = None
     if boundary and engine.zero_optimization_stage() == 0:  # gradients are all-reduced by now
-        grads = [p.grad.detach().float() for p in engine.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads).item() if grads else 0.0  # foreach: one kernel, not one per tensor
+        params = [p for p in engine.module.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad.detach().float() for p in params]) if params else None
+        norm = total.item() if params else 0.0  # foreach: one kernel, not one per tensor
+        max_norm = getattr(engine, "clip_grad_norm_in_step", 0.0)
+        if params and 0 < max_norm < norm + 1e-6:  # torch's and DeepSpeed's rule: scale by max_norm / (norm + 1e-6)
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     engine.step()
     if boundary and engine.get_global_grad_norm() is not None:
         norm = float(engine.get_global_grad_norm())

@@ -5,6 +5,8 @@ import glob
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -127,6 +129,67 @@ def test_loss_normalisation_across_accumulation_and_ranks(assets, tmp_path):
         assert max_weight_diff(out, ref_out) <= 1e-5, name
     trained = weights(ref_out)
     assert max((trained[k] - plain[k]).abs().max().item() for k in trained) <= 1e-6
+
+
+def clipping_worker(model_dir, out_file):
+    """Three optimizer steps of create_train_engine + optimizer_step under ZeRO-0 with --max_norm 0.05 (far
+    below the gradient norm): each step's reported norm (before clipping) and the final weights."""
+    from common.engine import ModelArgs, TrainArgs, create_train_engine, deepspeed_config, init_distributed, \
+        load_causal_lm, optimizer_step
+
+    init_distributed()
+    train = TrainArgs(zero_stage=0, micro_train_batch_size=4, train_batch_size=4, learning_rate=1e-3, max_norm=0.05,
+                      lr_scheduler="constant", param_dtype="fp32")
+    ds_config = deepspeed_config(train, 1)
+    engine = create_train_engine(load_causal_lm(ModelArgs(pretrain=model_dir), ds_config), train, ds_config, 3)
+    norms = []
+    for step in range(3):
+        engine.backward(clipping_loss(engine, clipping_batch(step)))
+        norms.append(optimizer_step(engine))
+    torch.save({"norms": norms, "weights": engine.module.state_dict()}, out_file)
+
+
+def clipping_batch(step):
+    g = torch.Generator().manual_seed(step)
+    samples = [{"input_ids": torch.randint(3, 200, (n,), generator=g).tolist(), "loss_mask": [1] * n}
+               for n in (5, 9, 12, 7)]
+    return collate(samples, 0, packing=False)
+
+
+def clipping_loss(model, batch):
+    logps, _ = token_logps(model, batch)
+    return -(logps * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+
+
+def test_zero0_clips_in_optimizer_step_as_plain_torch_does(assets, tmp_path):
+    """Under ZeRO-0 (fp32 weights) optimizer_step clips the gradients with the norm it computes for the log,
+    and DeepSpeed does not clip them again: three steps equal torch's clip_grad_norm_ + AdamW (norms 1e-5
+    relative, weights 1e-6), and differ from the unclipped steps (so the clipping acted)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "clipped.pt"
+    proc = subprocess.run([sys.executable, __file__, "clipping", f"{assets}/llama-0.5m", str(out)], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(out)
+    plain = {}
+    for max_norm in (0.05, 0.0):
+        model = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m", attn_implementation="sdpa")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                                foreach=False)
+        norms = []
+        for step in range(3):
+            clipping_loss(model, clipping_batch(step)).backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf")).item())
+            opt.step()
+            opt.zero_grad()
+        plain[max_norm] = (norms, model.state_dict())
+    norms, state = plain[0.05]
+    assert min(norms) > 10 * 0.05, norms  # every step clipped
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(got["norms"], norms)), (got["norms"], norms)
+    diff = lambda a, b: max((a[k] - b[k]).abs().max().item() for k in a)  # noqa: E731
+    assert diff(got["weights"], state) <= 1e-6
+    assert diff(got["weights"], plain[0.0][1]) > 1e-4
 
 
 def test_zero3_eval_with_uneven_shards(assets, tmp_path):
@@ -342,3 +405,7 @@ def test_evaluation_schedule_is_one_rule():
     due = lambda eval_steps: [s for s in range(1, 11) if eval_due(s, eval_steps, 4, 10)]  # noqa: E731
     assert due(-1) == [4, 8, 10]  # each epoch's end (4 steps an epoch) and the last step
     assert due(3) == [3, 6, 9, 10]
+
+
+if __name__ == "__main__" and sys.argv[1] == "clipping":
+    clipping_worker(*sys.argv[2:])
