@@ -8,4 +8,5 @@ export TOKENIZERS_PARALLELISM=false
 # DeepSpeed JIT-builds C++ ops (shm comm, CPU Adam) for this venv's torch: a cache of this checkout's
 # own, so another checkout's venv never rebuilds them under a running job
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
-exec .venv/bin/python -m pytest -q tests "$@"
+# the slowest tests are listed at the end, to keep the suite inside its time (README)
+exec .venv/bin/python -m pytest -q --durations=25 tests "$@"
