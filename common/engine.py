@@ -437,17 +437,16 @@ def create_train_engine(model, train: TrainArgs, ds_config, num_training_steps):
         train.lr_scheduler, optimizer, num_warmup_steps=int(train.lr_warmup_ratio * num_training_steps),
         num_training_steps=num_training_steps, scheduler_specific_kwargs=extra,
     )
-    # ZeRO-0 without DeepSpeed's bf16 / fp16 wrapper: optimizer_step clips, with the gradient norm it computes for
-    # the log anyway (one foreach pass), instead of DeepSpeed computing it again tensor by tensor (~6 ms of a
-    # DPO step of the 8.5M Llama)
+    # ZeRO-0 without DeepSpeed's bf16 / fp16 wrapper (fp32 gradients): optimizer_step clips, with the gradient
+    # norm it computes for the log anyway (one foreach pass), instead of DeepSpeed computing it again tensor by
+    # tensor (~6 ms of a DPO step of the 8.5M Llama)
     wrapped = ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled")
-    clips_in_step = ds_config["zero_optimization"]["stage"] == 0 and not wrapped
-    if clips_in_step:
+    plain_zero0 = ds_config["zero_optimization"]["stage"] == 0 and not wrapped
+    if plain_zero0:
         ds_config = {**ds_config, "gradient_clipping": 0.0}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-    engine.clip_grad_norm_in_step = train.max_norm if clips_in_step else 0.0
-    if dist.get_world_size() == 1 and engine.zero_optimization_stage() == 0 and not (
-            engine.bfloat16_enabled() or engine.fp16_enabled()):
+    engine.clip_grad_norm_in_step = train.max_norm if plain_zero0 else 0.0
+    if dist.get_world_size() == 1 and plain_zero0:
         # a world of one has nothing to all-reduce, yet ZeRO-0 flattens every gradient, all-reduces the copy
         # in fp32 (here the gradients' own dtype: an exact identity) and copies it back: ~11 % of the CPU time
         # of a DPO step of the 8.5M model (tests/test_sft.py::test_loss_normalisation_across_accumulation_and_ranks)
