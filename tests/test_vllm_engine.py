@@ -165,6 +165,29 @@ def test_generate_n_samples_with_hf_logprobs(tiny, llm):
             assert (hf - torch.tensor(s.logprobs)).abs().max().item() <= 1e-4
 
 
+def test_texts_equal_vllm_detokenization(tiny, llm):
+    """vllm_generate decodes the responses itself, in one call after the engine's loop (the engine runs with
+    detokenize=False); the texts equal vLLM's own incremental detokenization of the same seeded samples,
+    whether a response ended at the end-of-sequence token (skipped, a special token) or at the length limit,
+    and where it ends inside a UTF-8 character (the tiny model writes bytes at random: vLLM drops them)."""
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+
+    path, tokenizer, prompts = tiny
+    WeightSync([llm], colocated=True).sync(AutoModelForCausalLM.from_pretrained(path))  # earlier tests changed them
+    sampling, seeds = SamplingArgs(n=8, temperature=1.0, max_new_tokens=48), [7, 8, 9]
+    ours = vllm_generate(llm, prompts, sampling, seeds)
+    theirs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                          [SamplingParams(n=8, temperature=1.0, max_tokens=48, seed=s) for s in seeds], use_tqdm=False)
+    pairs = [(a, b) for group, out in zip(ours, theirs) for a, b in zip(group, out.outputs)]
+    assert len(pairs) == 24 and all(a.output_ids == list(b.token_ids) for a, b in pairs)  # the same samples
+    assert [a.text for a, _ in pairs] == [b.text for _, b in pairs]
+    assert {a.finish_reason for a, _ in pairs} == {"stop", "length"}
+    assert sum(a.output_ids[-1] == tokenizer.eos_token_id for a, _ in pairs) > 0 and any(a.text for a, _ in pairs)
+    held_back = [a for a, _ in pairs if tokenizer.decode(a.output_ids, skip_special_tokens=True).endswith("\ufffd")]
+    assert 0 < len(held_back) < len(pairs)
+
+
 def test_weight_sync_updates_logprobs_and_prefix_cache(tiny, llm):
     from transformers import AutoModelForCausalLM
 
