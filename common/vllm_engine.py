@@ -316,7 +316,7 @@ def vllm_sequence_logprobs(llm, sequences):
     from vllm import SamplingParams
 
     outs = llm.generate([{"prompt_token_ids": list(s)} for s in sequences],
-                        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False)
+                        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0, detokenize=False), use_tqdm=False)
     return [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, sequences)]
 
 
