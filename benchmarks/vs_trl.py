@@ -26,6 +26,15 @@ engines, one trainer rank), TRL with transformers' generate (its vLLM modes need
 with ZeRO-0 (one rank: ZeRO-2 would partition nothing and only add its gradient copies), as in SFT and DPO.
 Both sides train on --grpo_micro samples per micro-batch (default all 128 of a step: fastest for ours,
 no slower for TRL).
+
+A second table gives each algorithm's arithmetic floor on this machine: the throughput (GRPO: the step
+time) ours would reach if every matmul ran at this machine's matmul rate (a 2048-token matmul at the
+model's MLP shape, in the benchmark's precision) and nothing else cost anything. The work counted is
+6 FLOP per matmul weight per trained token (forward and backward; the embedding is a lookup, attention
+scores are left out) and, in GRPO, 2 per weight per generated token; our tokens, as our scripts lay them
+out (one prompt per DPO pair or GRPO group). Beside it: where ours stands (share of the floor) and the
+share of the floor a speed target (--target_*) needs; a target needing ~100 % cannot be met by a faster
+implementation of the same arithmetic on this machine.
 """
 
 import json
@@ -34,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -85,6 +95,12 @@ class Args:
     each round's own ratio (steadier where the machine's speed drifts between rounds)."""
     algos: str = "sft,dpo,grpo"
     """Comma list of the algorithms to compare (sft, dpo, grpo)."""
+    target_sft: float = 2.0
+    """SFT speed target: ours / TRL tokens/s (the floor table says what share of the floor it needs)."""
+    target_dpo: float = 3.0
+    """DPO speed target: ours / TRL pairs/s."""
+    target_grpo: float = 0.6
+    """GRPO speed target: ours / TRL seconds per step."""
 
 
 TRL_SFT = r"""
@@ -192,23 +208,69 @@ def after_first(path, key):
     return sum(values[1:]) / len(values[1:])
 
 
-def mean_sft_tokens(args, data):
-    """Tokens per SFT sample as sft.py builds them (chat-templated prompt + response)."""
+def read_rows(path, n):
+    return [json.loads(line) for line in open(path)][:n]
+
+
+def token_counter(args):
+    """Token counts of a chat-templated prompt, and of a response to it, as our scripts tokenize them."""
     from common.data import DataArgs, format_prompt, format_response, load_tokenizer
 
-    data_args = DataArgs(dataset=data, apply_chat_template=True)
+    data_args = DataArgs(dataset="unused", apply_chat_template=True)
     tok = load_tokenizer(args.model, data_args)
-    rows = [json.loads(line) for line in open(data)][: args.samples]
+
     def count(text):
         return len(tok(text, add_special_tokens=False)["input_ids"])
 
-    lengths = [count(format_prompt(r["prompt"], tok, data_args))
-               + count(format_response(r["prompt"], r["response"], tok, data_args)) for r in rows]
-    return sum(lengths) / len(lengths)
+    return (lambda prompt: count(format_prompt(prompt, tok, data_args)),
+            lambda prompt, response: count(format_response(prompt, response, tok, data_args)))
+
+
+def mean_sft_tokens(args, data):
+    """Tokens per SFT sample as sft.py builds them (chat-templated prompt + response)."""
+    prompt_len, response_len = token_counter(args)
+    return statistics.mean(prompt_len(r["prompt"]) + response_len(r["prompt"], r["response"])
+                           for r in read_rows(data, args.samples))
+
+
+def mean_dpo_tokens(args, data):
+    """Tokens per DPO pair as dpo.py lays a pair out: the prompt once, then both responses."""
+    prompt_len, response_len = token_counter(args)
+    return statistics.mean(prompt_len(r["prompt"]) + response_len(r["prompt"], r["chosen"])
+                           + response_len(r["prompt"], r["rejected"])
+                           for r in read_rows(data, args.samples) if r["chosen"] != r["rejected"])
+
+
+def matmul_rate(model, dtype):
+    """FLOP/s of a 2048-token matmul at the model's MLP shape (hidden x intermediate) in `dtype`, best of 10."""
+    import torch
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model).get_text_config()
+    hidden, inner = config.hidden_size, getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    kind = torch.bfloat16 if dtype == "bf16" else torch.float32
+    a, b = torch.randn(2048, hidden, dtype=kind), torch.randn(hidden, inner, dtype=kind)
+    times = []
+    for _ in range(13):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * 2048 * hidden * inner / min(times[3:]), (hidden, inner)
+
+
+def matmul_weights(model):
+    """Weights a token meets in matmuls: every Linear, the LM head included (the embedding is a lookup)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    return sum(m.weight.numel() for m in net.modules() if isinstance(m, torch.nn.Linear))
 
 
 def ours_grpo(args, data, tmp, r, dtype):
-    """Seconds per step of grpo.py at the benchmark's shape (steps after the first)."""
+    """Seconds per step of grpo.py at the benchmark's shape, and its mean response length in tokens (steps
+    after the first)."""
     metrics, samples = os.path.join(tmp, f"grpo{r}.jsonl"), args.grpo_prompts * args.grpo_samples
     run([sys.executable, "algos/grpo.py", "--pretrain", args.model,
          "--prompt_data", os.path.join(data, "rl_train.jsonl"), "--input_key", "prompt", "--label_key", "answer",
@@ -222,7 +284,8 @@ def ours_grpo(args, data, tmp, r, dtype):
          "--param_dtype", dtype, "--save_path", os.path.join(tmp, "grpo"), "--metrics_file", metrics],
         env={"TOKENIZERS_PARALLELISM": "false"})
     steps = [m for m in map(json.loads, open(metrics)) if "perf/samples_per_s" in m][1:]
-    return sum(samples / m["perf/samples_per_s"] for m in steps) / len(steps)
+    return (statistics.mean(samples / m["perf/samples_per_s"] for m in steps),
+            statistics.mean(m["train/response_length"] for m in steps))
 
 
 def main(args: Args):
@@ -239,6 +302,8 @@ def main(args: Args):
     data = os.path.join(args.assets, "data", "reverse")
     sft_data, pref_data = os.path.join(data, "sft_train.jsonl"), os.path.join(data, "pref_train.jsonl")
     results = {a: {"ours": [], "trl": []} for a in chosen}
+    grpo_response_lens = []
+    rate, (hidden, inner) = matmul_rate(args.model, dtype)  # before the rounds, on an otherwise idle machine
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             if "sft" in chosen:
@@ -267,7 +332,9 @@ def main(args: Args):
                            str(args.dpo_batch), str(args.max_len), os.path.join(tmp, "trl_dpo")], env=trl_env)
                 results["dpo"]["trl"].append(json.loads(out.strip().splitlines()[-1])["pairs_per_s"])
             if "grpo" in chosen:
-                results["grpo"]["ours"].append(ours_grpo(args, data, tmp, r, dtype))
+                step_s, response_len = ours_grpo(args, data, tmp, r, dtype)
+                results["grpo"]["ours"].append(step_s)
+                grpo_response_lens.append(response_len)
                 out = run([sys.executable, "-c", TRL_GRPO, args.model, os.path.join(data, "rl_train.jsonl"),
                            str(args.grpo_prompts), str(args.grpo_samples), str(args.grpo_max_len),
                            str(args.grpo_steps), str(args.grpo_micro), os.path.join(tmp, "trl_grpo")], env=trl_env)
@@ -284,6 +351,29 @@ def main(args: Args):
             per_round = statistics.median(o / t for o, t in zip(ours, trl))
             print(f"{algo:<10} {unit:<14} {pick(ours):>10.2f} {pick(trl):>10.2f} {pick(ours) / pick(trl):>6.2f}x "
                   f"{per_round:>9.2f}x" + ("  (time: lower is better)" if algo == "grpo" else ""))
+
+    weights = matmul_weights(args.model)
+    train_flop = 6 * weights  # per trained token, forward and backward
+    print(f"\narithmetic floor: every matmul at {rate / 1e9:.0f} GFLOP/s ({dtype}, 2048 x {hidden} x {inner} on this "
+          f"machine) and nothing else; {weights / 1e6:.2f}M matmul weights")
+    print(f"{'algorithm':<10} {'floor':>24} {'ours at':>8} {'target':>7} {'needs':>6}")
+    for algo in chosen:
+        ours, trl = results[algo]["ours"], results[algo]["trl"]
+        if algo == "grpo":
+            prompt_len, _ = token_counter(args)
+            prompt_tokens = statistics.mean(prompt_len(r["prompt"]) for r in read_rows(
+                os.path.join(data, "rl_train.jsonl"), args.grpo_prompts * args.grpo_steps))
+            responses = args.grpo_prompts * args.grpo_samples * statistics.mean(grpo_response_lens)
+            floor = (train_flop * (args.grpo_prompts * prompt_tokens + responses) + 2 * weights * responses) / rate
+            shown, at, target = f"{floor:.2f} s/step", floor / min(ours), args.target_grpo
+            needs = floor / (target * min(trl))
+        else:
+            per_item = 1 if algo == "sft" else mean_dpo_tokens(args, pref_data)
+            floor = rate / (train_flop * per_item)
+            shown, at = f"{floor:,.1f} {'tokens/s' if algo == 'sft' else 'pairs/s'}", max(ours) / floor
+            target = args.target_sft if algo == "sft" else args.target_dpo
+            needs = target * max(trl) / floor
+        print(f"{algo:<10} {shown:>24} {at:>7.0%} {target:>6.2f}x {needs:>6.0%}")
 
 
 if __name__ == "__main__":
