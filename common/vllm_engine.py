@@ -301,12 +301,13 @@ def decode_responses(tokenizer, token_ids):
     of 8 prompts x 8 samples x 32 tokens, 8.5M Llama, one thread: 1.58 -> 1.44 s). vLLM holds back tokens whose
     text ends in an incomplete UTF-8 character (U+FFFD) until a later token completes it, so a response ending
     inside one loses them; so here (tests/test_vllm_engine.py::test_texts_equal_vllm_detokenization)."""
-    texts = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
+    options = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}  # vLLM's streaming cleans up nothing
+    texts = tokenizer.batch_decode(token_ids, **options)
     for i, ids in enumerate(token_ids):
         end = len(ids)
         while texts[i].endswith("\ufffd"):
             end -= 1
-            texts[i] = tokenizer.decode(ids[:end], skip_special_tokens=True)
+            texts[i] = tokenizer.decode(ids[:end], **options)
     return texts
 
 
@@ -315,8 +316,8 @@ def vllm_sequence_logprobs(llm, sequences):
     current weights (vLLM prompt log-probs): one list of len(seq) - 1 floats per sequence."""
     from vllm import SamplingParams
 
-    outs = llm.generate([{"prompt_token_ids": list(s)} for s in sequences],
-                        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0, detokenize=False), use_tqdm=False)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
     return [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, sequences)]
 
 
