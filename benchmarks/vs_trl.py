@@ -303,11 +303,11 @@ def main(args: Args):
     sft_data, pref_data = os.path.join(data, "sft_train.jsonl"), os.path.join(data, "pref_train.jsonl")
     results = {a: {"ours": [], "trl": []} for a in chosen}
     grpo_response_lens = []
+    per_sample = mean_sft_tokens(args, sft_data) if "sft" in chosen else None  # the same data every round
     rate, (hidden, inner) = matmul_rate(args.model, dtype)  # before the rounds, on an otherwise idle machine
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             if "sft" in chosen:
-                per_sample = mean_sft_tokens(args, sft_data)
                 trl_rows = max(1, round(args.sft_batch * per_sample / args.max_len))  # rows carrying as many tokens
                 metrics = os.path.join(tmp, f"sft{r}.jsonl")
                 run([sys.executable, "algos/sft.py", "--pretrain", args.model, "--dataset", sft_data,
