@@ -59,7 +59,7 @@ from common.rl import (  # noqa: E402
     AsyncArgs, RLArgs, RolloutEngineArgs, RolloutLogArgs, Rollouts, collect_rollout, environment, evaluate, join_group,
     kl_to_reference, load_prompts, make_batch, model_tokens, off_policy, reference_args, rendezvous_address,
     reward_function, rollout_metrics, rollout_samples, rollout_steps, split_steps, start_engines, start_group,
-    start_ray, start_reward_models, trainer_bundles, validate_rollout_args, weight_sync,
+    start_ray, start_reward_models, token_sample, trainer_bundles, validate_rollout_args, weight_sync,
 )
 from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.tracking import MetricsLogger, eval_due, exit_with_error, progress  # noqa: E402
@@ -78,9 +78,10 @@ class ActorTrainArgs(TrainArgs):
     learning_rate: Annotated[float, tyro.conf.arg(name="actor_learning_rate")] = 1e-6
     """Peak learning rate of the policy (AdamW)."""
     lr_warmup_ratio: float = 0.0
-    """Fraction of optimizer steps with linear warmup."""
+    """Fraction of optimizer steps with linear warmup (OpenRLHF's RL default: 0.03)."""
     lr_scheduler: str = "constant_with_warmup"
-    """Any transformers scheduler name."""
+    """Any transformers scheduler name; constant by default (OpenRLHF's RL default: cosine_with_min_lr, down to
+    --min_lr_ratio 0.1 of the peak)."""
 
 
 @dataclass
@@ -112,13 +113,20 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
     init_kl_coef: float = 0.0
     """KL coefficient to the reference model (0: no reference model is loaded)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """KL estimator: k1 log(p/p_ref), k2 log(p/p_ref)^2 / 2, k3 p_ref/p - 1 - log(p_ref/p)."""
+    """KL estimator, per sampled token: k1 log(p/p_ref) (in the reward its mean is KL(policy||ref); as a loss its
+    expected gradient is 0, so --use_kl_loss refuses it); k2 log(p/p_ref)^2 / 2 (as a loss: the gradient of
+    KL(policy||ref)); k3 p_ref/p - 1 - log(p_ref/p) (as a loss: the gradient of KL(ref||policy), GRPO's)."""
     use_kl_loss: bool = False
     """Put the KL in the loss (GRPO style) instead of the reward."""
     entropy_loss_coef: float = 0.0
     """Entropy bonus coefficient (entropy is logged either way)."""
+    skip_zero_advantage: bool = True
+    """Leave samples whose advantages are all 0 (or that are masked) out of the forward and backward when no KL
+    loss or entropy bonus reads them: their gradient is exactly 0, the loss normaliser still counts them, so the
+    update is the same (train/skipped_samples)."""
     vllm_is_truncation: float = 0.0
-    """Truncated importance sampling: weight each token's loss by min(p_trainer / p_vllm, this) (0: off)."""
+    """Truncated importance sampling: weight each token's loss by min(p_trainer / p_vllm, this), one-sided (OpenRLHF
+    clamps to [0.5, 5]) (0: off)."""
     # -- placement
     actor_num_nodes: int = 1
     """Nodes for the trainer group."""
@@ -154,17 +162,37 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------------------------
 # Advantages, KL and the policy loss: small pure functions  (forkers edit these)
 # ----------------------------------------------------------------------------------------------
-def group_baseline(rewards, estimator, eps=1e-9):
-    """Scalar per sample from rewards of shape (prompts, n): the group-relative signal of each
-    estimator (std is the unbiased one, as torch.std)."""
+def group_baseline(rewards, estimator, valid=None, rel_tol=1e-6):
+    """Scalar per sample from rewards of shape (prompts, n): the group-relative signal of each estimator (std is
+    the unbiased one, as torch.std). Only the `valid` members (default: all) set a group's mean and std and get a
+    signal; the others (rejected episodes, masked responses) get 0. Statistics are float64, and a group whose
+    valid rewards spread by no more than `rel_tol` of their size carries no signal: its members get 0 (float32
+    round-off of equal rewards would otherwise be divided up to full-size advantages)."""
+    r = rewards.double()
+    w = torch.ones_like(r) if valid is None else valid.double()
+    count = w.sum(1, keepdim=True)
+    mean = (r * w).sum(1, keepdim=True) / count.clamp(min=1)
+    centred = (r - mean) * w
     if estimator == "group_norm":
-        return (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + eps)
-    if estimator in ("dr_grpo", "reinforce_baseline"):
-        return rewards - rewards.mean(1, keepdim=True)
-    if estimator == "rloo":
-        n = rewards.shape[1]
-        return rewards - (rewards.sum(1, keepdim=True) - rewards) / (n - 1)
-    return rewards  # reinforce: no baseline
+        std = ((centred**2).sum(1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+        flat = std <= rel_tol * (r.abs() * w).amax(1, keepdim=True)
+        out = torch.where(flat, 0.0, centred / std.clamp(min=torch.finfo(torch.float64).tiny))
+    elif estimator in ("dr_grpo", "reinforce_baseline"):
+        out = centred
+    elif estimator == "rloo":
+        others = ((r * w).sum(1, keepdim=True) - r * w) / (count - 1).clamp(min=1)
+        out = torch.where(count > 1, (r - others) * w, 0.0)
+    else:  # reinforce: no baseline
+        out = r * w
+    return out.float()
+
+
+def whiten(values, min_var=1e-8):
+    """(x - mean) / std over all entries, the variance floored at `min_var` (as OpenRLHF): a rollout whose
+    advantages are all (nearly) equal has no signal to scale up to unit size."""
+    flat = values.double()
+    var = flat.var() if flat.numel() > 1 else torch.tensor(1.0, dtype=torch.float64)
+    return ((flat - flat.mean()) * var.clamp(min=min_var).rsqrt()).float()
 
 
 def approx_kl(logps, ref_logps, estimator):
@@ -188,38 +216,44 @@ def returns_to_go(token_rewards, gamma):
     return out
 
 
-def compute_advantages(rewards, kl_penalties, estimator, gamma=1.0, eps=1e-9):
+def compute_advantages(rewards, kl_penalties, estimator, gamma=1.0, valid=None):
     """Per-token advantages of every sample.
 
     rewards: (prompts, n) scalar rewards; kl_penalties: prompts x n 1-D tensors, beta x KL_t per
-    response token (zeros when the KL is not in the reward). Token rewards are -beta x KL_t plus the
-    group-relative scalar at the last token; advantages are their returns-to-go (gamma only for
-    reinforce), whitened over all tokens of the rollout for reinforce and reinforce_baseline."""
-    scalars = group_baseline(rewards, estimator, eps).flatten()
+    response token (zeros when the KL is not in the reward); valid: (prompts, n) bool, the samples that
+    carry loss (default: all; the others get 0 and set no baseline or whitening statistic). Token rewards
+    are -beta x KL_t plus the group-relative scalar at the last token; advantages are their returns-to-go
+    (gamma only for reinforce), whitened over all valid tokens of the rollout for reinforce and
+    reinforce_baseline."""
+    valid = torch.ones(rewards.shape, dtype=torch.bool) if valid is None else valid
+    scalars = group_baseline(rewards, estimator, valid).flatten()
     g = gamma if estimator == "reinforce" else 1.0
     advantages = []
-    for s, kl in zip(scalars, kl_penalties):
+    for s, kl, keep in zip(scalars, kl_penalties, valid.flatten()):
         token_rewards = -kl.clone().float()
         token_rewards[-1] += s
-        advantages.append(returns_to_go(token_rewards, g))
-    if estimator in ("reinforce", "reinforce_baseline"):
-        flat = torch.cat(advantages)
-        mean, std = flat.mean(), flat.std() if flat.numel() > 1 else torch.tensor(1.0)
-        advantages = [(a - mean) / (std + eps) for a in advantages]
+        advantages.append(returns_to_go(token_rewards, g) if keep else torch.zeros(len(kl)))
+    if estimator in ("reinforce", "reinforce_baseline") and valid.any():
+        kept = [i for i, keep in enumerate(valid.flatten()) if keep]
+        whitened = whiten(torch.cat([advantages[i] for i in kept])).split([len(advantages[i]) for i in kept])
+        for i, a in zip(kept, whitened):
+            advantages[i] = a
     return advantages
 
 
 def sample_advantages(samples, rewards, args):
     """Per-response-token advantages of each sample (rewards: (prompts, n)). Only the model's tokens take part
     (their KL penalties, returns-to-go, the whitening); an episode's environment tokens get 0 and can never change
-    the advantages of the model's tokens."""
+    the advantages of the model's tokens. Masked samples (rejected, or truncated under --mask_truncated_responses)
+    get 0 and take no part in their group's baseline or the whitening."""
     kl_in_reward = args.init_kl_coef > 0 and not args.use_kl_loss
     masks = [model_tokens(s) for s in samples]
     kls = [args.init_kl_coef * approx_kl(torch.tensor(s["old_logps"])[m], torch.tensor(s["ref_logps"])[m],
                                          args.kl_estimator)
            if kl_in_reward else torch.zeros(int(m.sum())) for s, m in zip(samples, masks)]
+    valid = torch.tensor([not s.get("masked") for s in samples]).view(rewards.shape)
     out = []
-    for m, a in zip(masks, compute_advantages(rewards, kls, args.advantage_estimator, args.gamma)):
+    for m, a in zip(masks, compute_advantages(rewards, kls, args.advantage_estimator, args.gamma, valid)):
         full = torch.zeros(len(m))
         full[m] = a
         out.append(full)
@@ -277,6 +311,22 @@ def token_entropy(logits, batch, ring=None):
         rows, tokens, source_logits = branches
         out = out.index_put((rows, tokens), entropy(source_logits))
     return out
+
+
+def micro_batches(samples, micro, args):
+    """This rank's samples of one optimizer step as its micro-batches, and how many samples were skipped. With
+    --skip_zero_advantage (and no KL loss or entropy bonus) the samples whose gradient is exactly 0 are left out and
+    the rest spread over as many micro-batches as before, each keeping at least one sample: DeepSpeed counts
+    micro-batches to find the optimizer step, and under ZeRO every rank makes the same forward and backward calls."""
+    count = math.ceil(len(samples) / micro)
+    if not args.skip_zero_advantage or args.use_kl_loss or args.entropy_loss_coef > 0:
+        return [samples[i * micro : (i + 1) * micro] for i in range(count)], 0
+    idle = [s.get("masked") or not any(s["advantages"]) for s in samples]
+    fillers = set([i for i, z in enumerate(idle) if z][: max(0, count - idle.count(False))])
+    run = [s for i, (s, z) in enumerate(zip(samples, idle)) if not z or i in fillers]
+    sizes = [len(run) // count + (k < len(run) % count) for k in range(count)]
+    starts = [sum(sizes[:k]) for k in range(count)]
+    return [run[a : a + n] for a, n in zip(starts, sizes)], len(samples) - len(run)
 
 
 def single_update(args):
@@ -392,15 +442,21 @@ class PolicyTrainer:
         totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
         for samples in steps:
             max_tokens = self.max_tokens(samples)
-            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, max_tokens, self.one_row, values,
-                                            self.share_prompt), device())
-                       for i in range(0, len(samples), micro)]
+            chunks, skipped = micro_batches(samples, micro, args)
+            batches = [to_device(make_batch(chunk, self.pad_id, max_tokens, self.one_row, values, self.share_prompt),
+                                 device()) for chunk in chunks]
             # counted on every rank: the ranks of a ring count their samples ring-size times, as DeepSpeed
-            # counts them (ring_deepspeed_config), and the loss is the ring's ring-size times
-            tokens, sequences = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in batches),
-                                                sum(not s.get("masked") for s in samples)])
-            normaliser = step_normaliser(loss_mode(args), tokens, sequences, args.train.train_batch_size * ring_size,
+            # counts them (ring_deepspeed_config), and the loss is the ring's ring-size times. The normaliser
+            # counts the skipped samples too; the metrics are means over what ran (token means in every mode)
+            tokens, sequences, run_tokens, run_sequences, skipped = all_reduce_sum([
+                sum(sum(token_sample(s)["loss_mask"]) for s in samples), sum(not s.get("masked") for s in samples),
+                sum(b["loss_mask"].sum().item() for b in batches),
+                sum(not s.get("masked") for chunk in chunks for s in chunk), skipped / ring_size])
+            mode = loss_mode(args)
+            normaliser = step_normaliser(mode, tokens, sequences, args.train.train_batch_size * ring_size,
                                          args.generate_max_len)
+            metric_normaliser = step_normaliser("sequence" if mode == "sequence" else "token", run_tokens,
+                                                run_sequences, 0, 0)
             lrs.append(engine.get_lr()[0])
             step_metrics = {}
             for batch in batches:
@@ -409,10 +465,11 @@ class PolicyTrainer:
                 grad_norm = optimizer_step(engine)
                 vllm_diff = max(vllm_diff, metrics.pop("vllm_logp_max_abs_diff"))
                 for k, v in metrics.items():
-                    step_metrics[k] = step_metrics.get(k, 0.0) + v / normaliser
+                    step_metrics[k] = step_metrics.get(k, 0.0) + v
             reduced = all_reduce_sum(list(step_metrics.values()))
             for k, v in zip(step_metrics, reduced):
-                totals[k] = totals.get(k, 0.0) + v / len(steps)
+                totals[k] = totals.get(k, 0.0) + v / metric_normaliser / len(steps)
+            totals["skipped_samples"] = totals.get("skipped_samples", 0.0) + skipped / len(steps)
             grad_norms.append(grad_norm)
         totals["grad_norm"] = sum(grad_norms) / len(grad_norms)
         totals["lr"] = sum(lrs) / len(lrs)

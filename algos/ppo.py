@@ -72,9 +72,10 @@ class ActorTrainArgs(TrainArgs):
     learning_rate: Annotated[float, tyro.conf.arg(name="actor_learning_rate")] = 1e-6
     """Peak learning rate of the policy (AdamW)."""
     lr_warmup_ratio: float = 0.0
-    """Fraction of optimizer steps with linear warmup (actor and critic)."""
+    """Fraction of optimizer steps with linear warmup, actor and critic (OpenRLHF's RL default: 0.03)."""
     lr_scheduler: str = "constant_with_warmup"
-    """Any transformers scheduler name (actor and critic)."""
+    """Any transformers scheduler name, actor and critic; constant by default (OpenRLHF's RL default:
+    cosine_with_min_lr, down to --min_lr_ratio 0.1 of the peak)."""
 
 
 @dataclass
@@ -130,13 +131,16 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
     init_kl_coef: float = 0.0
     """KL coefficient to the reference model (0: no reference model is loaded)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """KL estimator: k1 log(p/p_ref), k2 log(p/p_ref)^2 / 2, k3 p_ref/p - 1 - log(p_ref/p)."""
+    """KL estimator, per sampled token: k1 log(p/p_ref) (in the reward its mean is KL(policy||ref); as a loss its
+    expected gradient is 0, so --use_kl_loss refuses it); k2 log(p/p_ref)^2 / 2 (as a loss: the gradient of
+    KL(policy||ref)); k3 p_ref/p - 1 - log(p_ref/p) (as a loss: the gradient of KL(ref||policy), GRPO's)."""
     use_kl_loss: bool = False
     """Put the KL in the actor's loss instead of the per-token reward."""
     entropy_loss_coef: float = 0.0
     """Entropy bonus coefficient (entropy is logged either way)."""
     vllm_is_truncation: float = 0.0
-    """Truncated importance sampling: weight each token's loss by min(p_trainer / p_vllm, this) (0: off)."""
+    """Truncated importance sampling: weight each token's loss by min(p_trainer / p_vllm, this), one-sided (OpenRLHF
+    clamps to [0.5, 5]) (0: off)."""
     # -- placement (each role on devices of its own unless colocated)
     actor_num_nodes: int = 1
     """Nodes for the actor group (and the reference group, which mirrors it); rank r on node r // per node."""
@@ -271,9 +275,11 @@ def token_rewards(reward, kl, mask):
     return out
 
 
-def advantages_and_returns(rewards, kls, values, masks, gamma, lambd, lambd_critic, eps=1e-8):
-    """Per-sample advantages (lambda, whitened over every model token of the rollout) and returns (their own
-    lambda_critic: R_t = A_t(lambda_critic) + V_t). rewards: scalars; kls, values, masks: 1-D per sample."""
+def advantages_and_returns(rewards, kls, values, masks, gamma, lambd, lambd_critic, min_var=1e-8):
+    """Per-sample advantages (lambda, whitened over every model token of the rollout, the variance floored at
+    `min_var` as OpenRLHF floors it: advantages that are all nearly equal, as from a critic that already predicts
+    the returns, are not scaled up to unit size) and returns (their own lambda_critic: R_t = A_t(lambda_critic) +
+    V_t). rewards: scalars; kls, values, masks: 1-D per sample."""
     advantages, returns = [], []
     for r, kl, v, m in zip(rewards, kls, values, masks):
         tr = token_rewards(float(r), kl, m)
@@ -281,9 +287,9 @@ def advantages_and_returns(rewards, kls, values, masks, gamma, lambd, lambd_crit
         returns.append((gae(tr, v, m, gamma, lambd_critic) + v) * m)
     flat_mask = torch.cat(masks).bool()
     if flat_mask.sum() > 1:
-        flat = torch.cat(advantages)[flat_mask]
-        mean, std = flat.mean(), flat.std()
-        advantages = [(a - mean) / (std + eps) * m for a, m in zip(advantages, masks)]
+        flat = torch.cat(advantages)[flat_mask].double()
+        mean, scale = flat.mean(), flat.var().clamp(min=min_var).rsqrt()
+        advantages = [((a - mean) * scale).float() * m for a, m in zip(advantages, masks)]
     return advantages, returns
 
 

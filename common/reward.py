@@ -1,9 +1,11 @@
 """Reward scoring shared by algos/rm.py (training and evaluation), RL and generation.
 
 A reward model is a Hugging Face `AutoModelForSequenceClassification` with `num_labels=1`; the
-reward of a sequence is its value-head output at the sequence's last non-pad token, the token
-Hugging Face's own pooling reads, so a model saved by rm.py gives the same reward here, in rm.py and
-in plain `transformers`. Batches may be packed (see common/packing.py): the value head is read at
+reward of a sequence is its value-head output at the sequence's own last token (its EOS when it has one),
+so a model saved by rm.py gives the same reward here, in rm.py and in RL. Plain `transformers` reads the
+last token that is not the pad id: the same token unless the tokenizer's pad token is its EOS (then it
+reads the token before a final EOS; give such a tokenizer a pad token of its own to make the two agree).
+Batches may be packed (see common/packing.py): the value head is read at
 each sample's own last token rather than at the end of each row.
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -25,18 +27,13 @@ def unwrap(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
 
 
-def reward_index(batch, pad_token_id):
-    """Flat index (row x width + column) of each sample's last token that is not `pad_token_id`
-    (its first token if all are padding), in the order samples were given: Hugging Face's rule for
-    sequence classification, applied per sample so that it also holds in packed rows."""
-    ids, index = batch["input_ids"], batch["sample_index"]
-    width = ids.shape[1]
-    positions = torch.arange(ids.numel(), device=ids.device).view_as(ids)
-    real = index >= 0
-    if pad_token_id is not None:
-        real &= ids != pad_token_id
-    starts = torch.tensor([r * width + s for r, s, _ in batch["spans"]], device=ids.device)
-    return starts.scatter_reduce(0, index[real], positions[real], reduce="amax")
+def reward_index(batch):
+    """Flat index (row x width + column) of each sample's last token, in the order samples were given: the EOS of
+    a finished response, the last token of a truncated one. Read from the sample's span, not by skipping pad ids:
+    where a tokenizer's pad token is its EOS, Hugging Face's pooling (the last token that is not the pad id) reads
+    `abc<eos>` at `c`, as it reads a truncated `abc`, so such a reward model could not tell the two apart."""
+    width = batch["input_ids"].shape[1]
+    return torch.tensor([r * width + s + n - 1 for r, s, n in batch["spans"]], device=batch["input_ids"].device)
 
 
 def sequence_rewards(model, batch, value_head_prefix="score"):
@@ -45,7 +42,7 @@ def sequence_rewards(model, batch, value_head_prefix="score"):
     `model` is a sequence-classification model, bare or inside a DeepSpeed engine (training or
     eval, any ZeRO stage) or a peft wrapper. The model's own forward runs (so DeepSpeed's hooks and
     Hugging Face's packing detection work as usual); the per-token values are taken from the value
-    head named `value_head_prefix` as it runs, and read at each sample's last non-pad token."""
+    head named `value_head_prefix` as it runs, and read at each sample's own last token."""
     hf_model = unwrap(model)
     values = []
     handle = getattr(hf_model, value_head_prefix).register_forward_hook(lambda module, args, out: values.append(out))
@@ -55,7 +52,7 @@ def sequence_rewards(model, batch, value_head_prefix="score"):
     finally:
         handle.remove()
     flat = values[0].squeeze(-1).flatten()
-    return flat[reward_index(batch, hf_model.config.pad_token_id)].float()
+    return flat[reward_index(batch)].float()
 
 
 def lockstep_forwards(model, num_local):

@@ -294,7 +294,7 @@ def ring_token_logps(model, batch, ring, return_argmax=False):
 
 def ring_sequence_rewards(model, batch, ring, value_head_prefix="score"):
     """`common.reward.sequence_rewards` for a one-row batch split over `ring`: every rank's value-head outputs
-    are gathered over the ring (autograd), then read at each sample's last non-pad token. With ring None,
+    are gathered over the ring (autograd), then read at each sample's own last token. With ring None,
     common.reward.sequence_rewards itself."""
     from common.reward import reward_index, sequence_rewards, unwrap
 
@@ -307,7 +307,7 @@ def ring_sequence_rewards(model, batch, ring, value_head_prefix="score"):
     finally:
         handle.remove()
     flat = _gather(values[0][0, :, 0], ring)[: batch["input_ids"].shape[1]]
-    return flat[reward_index(batch, hf_model.config.pad_token_id)].float()
+    return flat[reward_index(batch)].float()
 
 
 def ring_response_logps(model, batch, ring):

@@ -10,6 +10,7 @@ import contextlib
 import math
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -70,7 +71,7 @@ class RLArgs:
     normalize_reward: bool = False
     """Normalise each reward model's score with the mean/std rm.py stored in its config."""
     reward_clip_range: tuple[float, float] = (-10.0, 10.0)
-    """Clamp each sample's scalar reward to this range."""
+    """Clamp each sample's scalar reward to this range, before the group baseline (OpenRLHF clips after it)."""
     overlong_buffer_len: int = 0
     """DAPO overlong penalty: responses longer than --generate_max_len minus this lose reward linearly (0: off)."""
     overlong_penalty_factor: float = 1.0
@@ -91,11 +92,15 @@ class RLArgs:
     generate_max_len: int = 1024
     """Longest response in tokens."""
     temperature: float = 1.0
-    """Rollout sampling temperature."""
+    """Rollout sampling temperature. The update reads the untempered policy's log-probs, so at a temperature other
+    than 1 it trains on samples of another distribution, uncorrected (a warning says so; OpenRLHF divides the
+    logits by it)."""
     top_p: float = 1.0
     """Rollout nucleus sampling mass."""
     dynamic_filtering: bool = False
-    """DAPO dynamic sampling: drop groups whose rewards are all equal and sample new prompts to refill the batch."""
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (their unmasked samples') and sample new
+    prompts to refill the batch. The run's step count still comes from --num_episodes, so with refills it reads
+    more than that many passes over the prompts."""
     dynamic_filtering_max_rounds: int = 4
     """Sampling rounds per step for --dynamic_filtering; then the batch is topped up with dropped groups."""
     mask_truncated_responses: bool = False
@@ -176,6 +181,13 @@ def validate_rollout_args(args, world, script):
     args.engine.max_model_len = resolve_max_model_len(args.model.pretrain, args.engine.max_model_len, needed)
     if args.use_kl_loss and args.init_kl_coef <= 0:
         raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
+    if args.use_kl_loss and args.kl_estimator == "k1":  # E[grad k1] = E[grad log p] = 0 under the policy
+        raise ValueError("--use_kl_loss with --kl_estimator k1 regularises nothing (the expected gradient of k1 as a "
+                         "loss is 0): use --kl_estimator k3 (the gradient of KL(ref||policy), GRPO's) or k2 (of "
+                         "KL(policy||ref))")
+    if args.temperature != 1:
+        print(f"warning: --temperature {args.temperature}: the update reads the untempered policy's log-probs, so it "
+              "trains on samples of another distribution, uncorrected", file=sys.stderr)
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
     if args.overlong_buffer_len >= args.generate_max_len:
@@ -465,6 +477,19 @@ def compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer)
     return total.view(len(prompts), -1)
 
 
+def carries_loss(sample, mask_truncated):
+    """Whether a sampled response (or episode) trains: not a rejected episode, nor a response cut off at
+    --generate_max_len under --mask_truncated_responses."""
+    return not (getattr(sample, "rejected", False) or (mask_truncated and sample.finish_reason == "length"))
+
+
+def no_signal(rewards, live, rel_tol=1e-6):
+    """A group whose live members' rewards are equal (within `rel_tol` of their size, float32 round-off), or that
+    has fewer than two live members: comparing its samples teaches nothing (DAPO's dynamic filtering drops it)."""
+    r = rewards.double()[live]
+    return len(r) < 2 or (r.max() - r.min()).item() <= rel_tol * r.abs().max().item()
+
+
 def overlong_penalty(length, max_len, buffer, factor):
     """DAPO: the reward lost by a response of `length` tokens that runs into the last `buffer` tokens."""
     over = length - (max_len - buffer)
@@ -506,8 +531,8 @@ def collect_rollout(args, roles, engines, prompts, start, version, reward_fn, re
                                          [args.train.seed * 1_000_003 + i for i in positions],
                                          reward_fn, reward_models, tokenizer, env_cls, timing)
         for p, g, r in zip(batch_prompts, groups, rewards):
-            all_equal = bool((r == r[0]).all())
-            (dropped if args.dynamic_filtering and all_equal else kept).append((p, g, r))
+            live = torch.tensor([carries_loss(s, args.mask_truncated_responses) for s in g])
+            (dropped if args.dynamic_filtering and no_signal(r, live) else kept).append((p, g, r))
         if not args.dynamic_filtering:
             break
     kept += dropped[: args.rollout_batch_size - len(kept)]  # rounds ran out: equal-reward groups carry no signal
@@ -592,7 +617,7 @@ def rollout_samples(rollout, args):
                                        args.overlong_penalty_factor)
             samples.append({"prompt_ids": p["prompt_ids"], "response_ids": list(s.output_ids),
                             "vllm_logps": list(s.logprobs), "reward": reward - penalty,
-                            "masked": args.mask_truncated_responses and s.finish_reason == "length"})
+                            "masked": not carries_loss(s, args.mask_truncated_responses)})
     return samples, torch.stack([r for _, _, r in rollout["kept"]])
 
 

@@ -234,14 +234,15 @@ def test_distillation_learns(assets, teacher, tmp_path):
 def test_on_policy_with_vllm(assets, teacher, tmp_path):
     """--lmbda 1 under torchrun: every step rank 0 syncs the student into its vLLM engine, samples for
     both ranks' prompts, and the teacher scores the samples; vLLM's log-probs of its samples equal the
-    trainer's (the sync worked), and the KL to the teacher falls on the student's own samples and on
-    the held-out dataset responses."""
+    trainer's (the sync worked), the KL to the teacher falls on the student's own samples and on the held-out
+    dataset responses, and the loss of an on-policy step is the KD term alone: no CE on the student's own samples
+    (--kd_coef 0.5: train/loss = 0.5 x train/kd, where a CE term would add 0.5 x train/nll)."""
     data = f"{assets}/data/reverse"
     run_script("distill.py", [
         "--pretrain", f"{assets}/llama-0.5m", "--teacher_model", teacher, "--dataset", f"{data}/sft_train.jsonl",
         "--eval_dataset", f"{data}/sft_test.jsonl", *TASK, "--eval_steps", ON_POLICY_STEPS, "--max_samples",
         16 * ON_POLICY_STEPS,
-        "--train_batch_size", 16, "--micro_train_batch_size", 8, "--learning_rate", 3e-3, "--kd_coef", 1.0,
+        "--train_batch_size", 16, "--micro_train_batch_size", 8, "--learning_rate", 3e-3, "--kd_coef", 0.5,
         "--lmbda", 1.0, "--generate_max_len", 16, "--max_model_len", 128,
         "--save_path", tmp_path / "out", "--metrics_file", tmp_path / "m.jsonl",
     ], nproc=2)
@@ -250,6 +251,9 @@ def test_on_policy_with_vllm(assets, teacher, tmp_path):
     evals = [m for m in metrics if "eval/kd" in m]
     assert len(train) == ON_POLICY_STEPS and all(m["train/on_policy"] == 1.0 for m in train)
     assert max(m["train/vllm_logp_max_diff"] for m in train) <= 1e-3, [m["train/vllm_logp_max_diff"] for m in train]
+    for m in train:
+        assert abs(m["train/loss"] - 0.5 * m["train/kd"]) <= 1e-6 * m["train/kd"], m
+        assert m["train/nll"] > 0.1 * m["train/kd"], m  # a CE term would have shown
     first, last = train[0]["train/kd"], sum(m["train/kd"] for m in train[-2:]) / 2
     print(f"on-policy KL first step {first:.4f}, last two {last:.4f}; held-out {evals[0]['eval/kd']:.4f} -> "
           f"{evals[-1]['eval/kd']:.4f}")

@@ -51,6 +51,85 @@ def test_token_advantages_kl_in_reward_return_to_go_and_whitening():
     assert abs(torch.cat(adv).mean().item()) < 1e-6 and abs(torch.cat(adv).std().item() - 1) < 1e-5
 
 
+@pytest.mark.parametrize("n", [8, 16])
+def test_groups_of_equal_rewards_carry_no_signal(n):
+    """float32 round-off of equal rewards is not divided up to full-size advantages: eight rewards of 0.1 gave
+    -0.83 each with std + 1e-9 as the divisor. Every reward k / 10 (k = -10..10), and sums of reward sources that
+    equal up to round-off, give 0 in every group estimator; a real spread still gives unit-scale values."""
+    rewards = torch.tensor([[k / 10] * n for k in range(-10, 11)])
+    summed = torch.tensor([[0.1] * n]) + torch.tensor([[0.2] * (n // 2) + [0.0] * (n // 2)]) \
+        + torch.tensor([[0.0] * (n // 2) + [0.2] * (n // 2)])  # 0.1 + 0.2 + 0 vs 0.1 + 0 + 0.2: one ulp apart
+    for estimator in ("group_norm", "dr_grpo", "rloo", "reinforce_baseline"):
+        assert grpo.group_baseline(rewards, estimator).abs().max().item() == 0.0, estimator
+        assert grpo.group_baseline(summed, estimator).abs().max().item() <= 1e-7, estimator
+    spread = grpo.group_baseline(torch.tensor([[0.1] * (n - 1) + [0.2]]), "group_norm")
+    assert spread.abs().max().item() > 1.0
+
+
+def test_whitening_does_not_amplify_a_rollout_without_signal():
+    """reinforce_baseline over groups that are each all 0.1 or all 1.1 (no signal anywhere) gives 0, not +-0.79;
+    whitening a real spread still gives mean 0, std 1."""
+    rewards = torch.tensor([[0.1] * 4, [1.1] * 4])
+    adv = grpo.compute_advantages(rewards, [torch.zeros(3)] * 8, "reinforce_baseline")
+    assert torch.cat(adv).abs().max().item() <= 1e-6
+    adv = torch.cat(grpo.compute_advantages(torch.tensor([[0.0, 1.0, 0.1, 0.1]]), [torch.zeros(2)] * 4,
+                                            "reinforce_baseline"))
+    assert abs(adv.mean().item()) < 1e-6 and abs(adv.std().item() - 1) < 1e-5
+    assert grpo.whiten(torch.full((5,), 3e-7)).abs().max().item() == 0.0
+    tiny = grpo.whiten(torch.tensor([1e-7, -1e-7, 2e-7, 0.0]))
+    assert tiny.abs().max().item() <= 2e-3  # the variance floor 1e-8: scaled by at most 1e4
+
+
+def test_masked_samples_set_no_baseline_and_no_whitening():
+    """Three right answers and one rejected episode (reward 0 by construction): the kept three get 0, as a group
+    of three equal rewards does, not +0.5; the rejected one gets 0. Whitening ignores masked samples too."""
+    rewards, valid = torch.tensor([[1.0, 1.0, 1.0, 0.0]]), torch.tensor([[True, True, True, False]])
+    for estimator in ("group_norm", "dr_grpo", "rloo", "reinforce_baseline"):
+        assert grpo.group_baseline(rewards, estimator, valid).abs().max().item() == 0.0, estimator
+    rewards, valid = torch.tensor([[1.0, 0.0, 1.0, 7.0]]), torch.tensor([[True, True, True, False]])
+    want = grpo.group_baseline(rewards[:, :3], "group_norm")
+    got = grpo.group_baseline(rewards, "group_norm", valid)
+    assert torch.allclose(got[:, :3], want) and got[0, 3] == 0
+    kls = [torch.zeros(2)] * 4
+    for estimator in ("reinforce", "reinforce_baseline"):
+        alone = grpo.compute_advantages(rewards[:, :3], kls[:3], estimator)
+        with_masked = grpo.compute_advantages(rewards, kls, estimator, valid=valid)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(alone, with_masked[:3])), estimator
+        assert with_masked[3].abs().max().item() == 0.0
+    samples = [{"response_ids": [5, 6], "old_logps": [0.0] * 2, "masked": m} for m in (False, False, False, True)]
+    adv = grpo.sample_advantages(samples, torch.tensor([[1.0, 1.0, 1.0, 0.0]]), grpo.Args())
+    assert torch.cat(adv).abs().max().item() == 0.0
+
+
+def test_dynamic_filtering_judges_a_group_by_its_unmasked_samples():
+    from common.rl import carries_loss, no_signal
+    from common.vllm_engine import Sample
+
+    assert no_signal(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([True, True, True, False]))
+    assert not no_signal(torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([True, True, True, False]))
+    assert no_signal(torch.tensor([0.3, 0.1]) + torch.tensor([0.0, 0.2]), torch.tensor([True, True]))  # round-off
+    assert no_signal(torch.tensor([1.0, 0.0]), torch.tensor([True, False]))  # one live sample: nothing to compare
+    finished, cut = Sample([0], [1], "", [0.0], "stop"), Sample([0], [1], "", [0.0], "length")
+    assert carries_loss(finished, True) and carries_loss(cut, False) and not carries_loss(cut, True)
+
+
+def test_zero_advantage_samples_leave_the_micro_batches():
+    """Samples whose advantages are all 0 (or masked) are left out and the rest spread over as many micro-batches
+    as before, each keeping at least one sample; nothing is skipped when a KL loss or entropy bonus reads them."""
+    def sample(a, masked=False):
+        return {"advantages": [a, a], "masked": masked}
+
+    samples = [sample(0.0), sample(1.0), sample(0.0), sample(0.0), sample(-1.0), sample(0.5, True), sample(0.0),
+               sample(2.0)]
+    chunks, skipped = grpo.micro_batches(samples, 2, grpo.Args())
+    assert [len(c) for c in chunks] == [1, 1, 1, 1] and skipped == 4
+    assert [c[0]["advantages"][0] for c in chunks] == [0.0, 1.0, -1.0, 2.0]  # the first idle one fills in, in order
+    assert grpo.micro_batches(samples, 2, grpo.Args(skip_zero_advantage=False)) == ([samples[i : i + 2]
+                                                                                    for i in range(0, 8, 2)], 0)
+    assert grpo.micro_batches(samples, 4, grpo.Args(entropy_loss_coef=0.01))[1] == 0
+    assert grpo.micro_batches(samples, 4, grpo.Args(use_kl_loss=True, init_kl_coef=0.1, kl_estimator="k3"))[1] == 0
+
+
 def test_kl_estimators_by_hand():
     logps, ref = torch.tensor([-1.0]), torch.tensor([-1.5])  # log ratio 0.5
     assert grpo.approx_kl(logps, ref, "k1").item() == pytest.approx(0.5)
@@ -339,6 +418,15 @@ def test_argument_errors_and_reference_options(assets, capsys):
                               "--load_in_4bit"])
     ref = grpo.reference_args(parsed)
     assert (ref.pretrain, ref.attn_implementation, ref.load_in_4bit) == (f"{assets}/llama-0.5m", "eager", True)
+    # k1 as a loss has an expected gradient of 0: refused, naming both flags; k2 / k3 are the KL losses
+    with pytest.raises(ValueError, match=r"--use_kl_loss with --kl_estimator k1 regularises nothing.*k3.*k2"):
+        grpo.parse_args([*required, "--init_kl_coef", "0.01", "--use_kl_loss"])
+    for estimator in ("k2", "k3"):
+        grpo.parse_args([*required, "--init_kl_coef", "0.01", "--use_kl_loss", "--kl_estimator", estimator])
+    grpo.parse_args([*required, "--init_kl_coef", "0.01"])  # k1 in the reward is fine
+    capsys.readouterr()
+    grpo.parse_args([*required, "--temperature", "0.7"])
+    assert "warning: --temperature 0.7: the update reads the untempered policy" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         grpo.parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())

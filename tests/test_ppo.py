@@ -63,7 +63,7 @@ def test_decoupled_lambda_returns_and_whitened_advantages():
     # advantages: lambda 0.5 GAE, whitened over all five model tokens
     raw = torch.cat([ppo.gae(torch.tensor([-0.1, -0.2, 0.7]), values[0], masks[0], 1.0, 0.5),
                      ppo.gae(torch.zeros(2), values[1], masks[1], 1.0, 0.5)])
-    assert torch.allclose(torch.cat(adv), (raw - raw.mean()) / (raw.std() + 1e-8), atol=1e-6)
+    assert torch.allclose(torch.cat(adv), (raw - raw.mean()) / raw.std(), atol=1e-6)
     # returns with lambda_critic 0.5 differ (they bootstrap from the values): R = A(0.5) + V
     _, ret_half = ppo.advantages_and_returns(rewards, kls, values, masks, 1.0, 0.5, 0.5)
     assert torch.allclose(ret_half[0], raw[:3] + values[0], atol=1e-6)
@@ -71,6 +71,25 @@ def test_decoupled_lambda_returns_and_whitened_advantages():
     _, ret_g = ppo.advantages_and_returns(torch.tensor([1.0]), [torch.zeros(3)], [torch.tensor([9.0, -9.0, 3.0])],
                                           [torch.ones(3)], 0.9, 0.95, 1.0)
     assert torch.allclose(ret_g[0], torch.tensor([0.81, 0.9, 1.0]), atol=1e-6)
+
+
+def test_whitening_floors_the_variance():
+    """A critic that already predicts the returns leaves raw advantages of ~1e-7: whitening must not scale them up
+    to unit size (std + 1e-8 as the divisor gave 2.6); the variance is floored at 1e-8, as OpenRLHF floors it."""
+    values = [torch.tensor([0.5, 0.5, 0.5]), torch.tensor([0.25, 0.25])]
+    rewards = torch.tensor([0.5 + 2e-7, 0.25 - 1e-7])
+    adv, _ = ppo.advantages_and_returns(rewards, [torch.zeros(3), torch.zeros(2)], values,
+                                        [torch.ones(3), torch.ones(2)], 1.0, 1.0, 1.0)
+    assert torch.cat(adv).abs().max().item() <= 1e-2
+
+
+def test_kl_loss_refuses_k1(assets):
+    required = ["--pretrain", f"{assets}/llama-0.5m", "--prompt_data", "d.jsonl", "--remote_rm_url", REWARD,
+                "--prompt_max_len", "48", "--generate_max_len", "16", "--rollout_batch_size", "16",
+                "--train_batch_size", "16", "--micro_train_batch_size", "8", "--init_kl_coef", "0.01", "--use_kl_loss"]
+    with pytest.raises(ValueError, match=r"--use_kl_loss with --kl_estimator k1 regularises nothing"):
+        ppo.parse_args(required)
+    assert ppo.parse_args([*required, "--kl_estimator", "k2"]).kl_estimator == "k2"
 
 
 def test_value_loss_clipped_by_hand():

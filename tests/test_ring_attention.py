@@ -199,7 +199,7 @@ def test_rl_trainers_with_a_ring_of_two_equal_one_rank(assets, rl_start_model, t
               128, "--max_steps", 1, "--actor_learning_rate", 1e-3, "--entropy_loss_coef", 0.01,
               "--param_dtype", "fp32"]  # fp32: bf16 matmuls round differently per split
     if script == "grpo":  # the KL in the loss: the reference runs in the trainer's ring
-        common += ["--train_batch_size", 16, "--init_kl_coef", 0.05, "--use_kl_loss"]
+        common += ["--train_batch_size", 16, "--init_kl_coef", 0.05, "--use_kl_loss", "--kl_estimator", "k3"]
         ranks = lambda n: ["--actor_num_gpus_per_node", n]  # noqa: E731
     else:  # two optimizer steps: the actor's log-probs before the update (a ring), the critic (a ring of its own)
         common += ["--train_batch_size", 8, "--critic_learning_rate", 1e-3]

@@ -172,14 +172,14 @@ def test_packed_rewards_equal_padded_and_hf(assets, rm_start):
     assert (score([model, model], seqs[:5], weights=[1.0, 0.5]) - 1.5 * hf[:5]).abs().max().item() <= 1e-4
 
 
-def test_reward_index_is_last_non_pad_token():
-    """Hugging Face reads the rightmost token that is not the pad id; with pad = eos a sequence ending
-    in eos is read one token earlier. reward_index does the same per sample, in packed rows too."""
-    seqs = [[5, 6, 7], [8, 1, 1], [9]]  # pad id 1: the middle sample ends with two pad-id tokens
-    batch = collate(samples(seqs), 1, packing=True, max_tokens=7)
-    flat = batch["input_ids"].flatten()
-    assert flat[reward_index(batch, 1)].tolist() == [7, 8, 9]
-    assert flat[reward_index(batch, None)].tolist() == [7, 1, 9]
+def test_reward_index_is_each_samples_own_last_token():
+    """The reward is read at each sample's own last token, whatever the pad id: with a tokenizer whose pad token is
+    its EOS (id 1 here), a finished response (ending in EOS) and a truncated one (no EOS) are read at different
+    tokens, the EOS and the last word, so a reward model can penalise truncation. Packed and padded alike."""
+    seqs = [[5, 6, 7, 1], [5, 6, 7], [9]]  # finished, truncated, one token
+    for batch in (collate(samples(seqs), 1, packing=True, max_tokens=8), collate(samples(seqs), 1, packing=False)):
+        flat = batch["input_ids"].flatten()
+        assert flat[reward_index(batch)].tolist() == [1, 7, 9]
 
 
 # ----------------------------------------------------------------------------------------------
