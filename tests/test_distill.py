@@ -294,3 +294,8 @@ def test_different_tokenizers_and_top_k_too_large(assets, tmp_path):
     with pytest.raises(ValueError, match="on-policy samples"):
         distill.parse_args([*map(str, base), "--teacher_model", f"{assets}/qwen2-0.5m", "--lmbda", "0.5",
                             "--teacher_cache", str(tmp_path / "c")])
+    with pytest.raises(ValueError, match=r"--lmbda > 0 with --kd_coef 0: on-policy steps train the distillation"):
+        distill.parse_args([*map(str, base), "--teacher_model", f"{assets}/qwen2-0.5m", "--lmbda", "0.5",
+                            "--kd_coef", "0"])
+    args = distill.Args(teacher_model="t", kd_coef=0.25)  # the CE term: dataset responses only
+    assert distill.ce_weight(args, on_policy=False) == 0.75 and distill.ce_weight(args, on_policy=True) == 0.0

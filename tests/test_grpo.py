@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.packing import token_logps
-from conftest import ROOT, load_algo, read_jsonl, run_script
+from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script
 
 grpo = load_algo("grpo")
 REWARD = os.path.join(ROOT, "launch", "rewards", "exact_match.py")
@@ -358,6 +358,41 @@ def test_estimators_raise_reward(assets, rl_start_model, tmp_path, name):
     assert evals[-1] > evals[0], evals  # and the held-out greedy accuracy
     if "--vllm_enable_sleep" in extra:  # vLLM has no sleep mode on CPU: the engines say so
         assert "sleep skipped" in proc.stdout + proc.stderr
+
+
+def test_skipped_zero_advantage_samples_leave_the_update_unchanged(assets, rl_start_model, tmp_path):
+    """Samples whose advantages are all 0 (groups of equal rewards) are left out of the forward and backward
+    (--skip_zero_advantage, the default): 3 steps of dr_grpo on 2 ranks (4 micro-batches each per optimizer step)
+    end at the weights of the run that computes them (1e-6, fp32). Metrics are token means in every loss mode:
+    dr_grpo's train/entropy at step 1 (the start weights, the same samples) equals group_norm's, where dividing by
+    Dr. GRPO's constant normaliser (train_batch_size x generate_max_len) gave a fraction of it."""
+    def args(name, *extra):
+        return ["--pretrain", rl_start_model, "--prompt_data", f"{assets}/data/reverse/rl_train.jsonl",
+                "--input_key", "prompt", "--label_key", "answer", "--apply_chat_template", "--remote_rm_url", REWARD,
+                "--n_samples_per_prompt", 4, "--rollout_batch_size", 16, "--train_batch_size", 64,
+                "--micro_train_batch_size", 8, "--micro_rollout_batch_size", 16, "--actor_num_gpus_per_node", 2,
+                "--prompt_max_len", 48, "--generate_max_len", 16, "--max_model_len", 128, "--max_steps", 3,
+                "--actor_learning_rate", 3e-5, "--param_dtype", "fp32", "--save_path", tmp_path / name,
+                "--metrics_file", tmp_path / f"{name}.jsonl", *extra]
+
+    from conftest import run_scripts
+
+    run_scripts([("grpo.py", args("skip", "--advantage_estimator", "dr_grpo"), {"timeout": 900}),
+                 ("grpo.py", args("plain", "--advantage_estimator", "dr_grpo", "--no_skip_zero_advantage"),
+                  {"timeout": 900}),
+                 ("grpo.py", args("group_norm", "--max_steps", 1), {"timeout": 900})])
+    runs = {name: [m for m in read_jsonl(tmp_path / f"{name}.jsonl") if "train/reward" in m]
+            for name in ("skip", "plain", "group_norm")}
+    skipped = [m["train/skipped_samples"] for m in runs["skip"]]
+    assert sum(skipped) > 0 and all(m["train/skipped_samples"] == 0 for m in runs["plain"]), skipped
+    assert [m["train/reward"] for m in runs["skip"]] == [m["train/reward"] for m in runs["plain"]]
+    diff = max_weight_diff(tmp_path / "skip", tmp_path / "plain")
+    print(f"\nskipped samples per step {skipped}; weights skip vs plain max |diff| {diff:.2e}")
+    assert diff <= 1e-6 and max_weight_diff(tmp_path / "plain", rl_start_model) > 2e-5  # 3 Adam steps of ~3e-5
+    first = runs["skip"][0], runs["group_norm"][0]
+    assert first[0]["train/reward"] == first[1]["train/reward"]
+    assert abs(first[0]["train/entropy"] - first[1]["train/entropy"]) <= 1e-5, first
+    assert 0 <= first[0]["train/clip_ratio"] <= 1
 
 
 def test_resume_continues_the_same_run(assets, rl_start_model, tmp_path):
