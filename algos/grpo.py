@@ -26,9 +26,15 @@ overlaps a generation); vLLM's log-probs of the samples are the old policy of th
 
 Differences from OpenRLHF, on purpose: --init_kl_coef defaults to 0 (no reference model, as GRPO
 recipes with verifiable rewards now run); `dr_grpo` also uses Dr. GRPO's constant loss normaliser
-(OpenRLHF keeps the token mean); log-probs are of the untempered policy (the temperature only
-shapes sampling), and vLLM's log-probs of the sampled tokens are checked against the trainer's
-every step (`check/vllm_logp_max_abs_diff`).
+(OpenRLHF keeps the token mean); group statistics are float64 and a group whose rewards are equal up to
+round-off gets advantage 0 (OpenRLHF divides by std + 1e-9, which turns float32 round-off of equal rewards
+into full-size advantages); masked samples (rejected episodes, truncated responses under
+--mask_truncated_responses) set no group baseline and no whitening statistic; --use_kl_loss refuses k1
+(as a loss its expected gradient is 0); samples whose advantages are all 0 skip the forward and backward
+(the update is the same); rewards are clipped before the group baseline; --vllm_is_truncation is
+one-sided; log-probs are of the untempered policy (the temperature only shapes sampling), and vLLM's
+log-probs of the sampled tokens are checked against the trainer's every step
+(`check/vllm_logp_max_abs_diff`).
 """
 
 import math

@@ -23,8 +23,9 @@ Differences from OpenRLHF, on purpose: GAE skips tokens that are not the model's
 steps: values and the running sum carry across them; OpenRLHF zeroes them and runs GAE through,
 which decays over them for lambda < 1); the returns use their own lambda (--lambd_critic, VC-PPO /
 VAPO's decoupled GAE; 1 by default); --init_kl_coef defaults to 0 as in grpo.py; the actor's
-learning rate defaults to grpo.py's 1e-6; log-probs are of the untempered policy, and vLLM's
-log-probs of the sampled tokens are checked against the trainer's every step.
+learning rate defaults to grpo.py's 1e-6; --use_kl_loss refuses k1 (as a loss its expected gradient is 0);
+log-probs are of the untempered policy, and vLLM's log-probs of the sampled tokens are checked against the
+trainer's every step.
 """
 
 import dataclasses
