@@ -18,8 +18,8 @@ on both sides). SFT: tokens/s (all tokens of the samples trained, prompt and res
 sft.py's perf/samples_per_s x the data's mean tokens per sample, TRL's from per-step times (a callback)
 x the tokens of its packed rows. DPO: pairs/s; ours perf/pairs_per_s, TRL's from its per-step times. Both
 sides compute the reference log-probs in one pass before training (ours --ref_cache, the default; TRL
-precompute_ref_log_probs=True: 36.9 against 26.3 pairs/s with its default live reference, measured), and
-that pass is not timed on either side.
+precompute_ref_log_probs=True, faster than its default live reference), and that pass is not timed on
+either side.
 GRPO: seconds per step of --grpo_prompts x --grpo_samples responses of at most --grpo_max_len tokens
 (one optimizer step per rollout, no reference model); ours generates with vLLM (--grpo_vllm_engines
 engines, one trainer rank), TRL with transformers' generate (its vLLM modes need CUDA). Ours trains
@@ -79,9 +79,8 @@ class Args:
     """GRPO longest response in tokens."""
     grpo_micro: int = 128
     """GRPO samples per training micro-batch, both sides (TRL's per_device_train_batch_size, with gradient
-    accumulation making up --grpo_prompts x --grpo_samples per optimizer step). Measured alternating, 8 steps
-    each: ours 2.96-2.97 s a step at 128 against 3.42-3.98 at 32 (train phase 1.5-1.7 s against 2.1-2.5);
-    TRL 4.32-4.60 at 128 against 4.50-4.74 at 32."""
+    accumulation making up --grpo_prompts x --grpo_samples per optimizer step); all 128 of a step is the
+    fastest for ours and no slower for TRL than 32."""
     grpo_steps: int = 6
     """GRPO steps per run (the first is not counted)."""
     grpo_vllm_engines: int = 2

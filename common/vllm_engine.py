@@ -297,8 +297,8 @@ def vllm_generate(llm, prompt_ids, sampling, seeds=None):
 def decode_responses(tokenizer, token_ids):
     """The texts of generated responses as vLLM's incremental detokenizer leaves them (special tokens skipped),
     decoded in one call after generation: vLLM's own detokenization (and that of every sampled token's log-prob
-    entry) runs token by token in the engine's loop, which an engine actor runs in its own process (one call
-    of 8 prompts x 8 samples x 32 tokens, 8.5M Llama, one thread: 1.58 -> 1.44 s). vLLM holds back tokens whose
+    entry) runs token by token in the engine's loop, which an engine actor runs in its own process, so engines
+    sample with detokenize=False and the texts are made here, once. vLLM holds back tokens whose
     text ends in an incomplete UTF-8 character (U+FFFD) until a later token completes it, so a response ending
     inside one loses them; so here (tests/test_vllm_engine.py::test_texts_equal_vllm_detokenization)."""
     options = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}  # vLLM's streaming cleans up nothing
@@ -376,8 +376,8 @@ def create_vllm_actor(model_path, args: EngineArgs, num_cpus=1, num_gpus=0, enab
         def __init__(self, path, engine_args, enable_sleep, colocated, max_num_seqs, bf16):
             if engine_args.tp_size == 1:
                 # this process is the engine's alone: its core and worker run here instead of in two processes
-                # spawned to re-import vLLM (start-up of the 8.5M model on CPU 27.5 -> 10.6 s, 48 -> 19 s on an
-                # AVX2-only CPU; decode steps as fast: benchmarks/bench_vllm.py)
+                # spawned to re-import vLLM, which starts the engine several times faster on CPU at the same
+                # decode speed (benchmarks/bench_vllm.py)
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             self.llm = create_vllm_engine(path, engine_args, enable_sleep, colocated, max_num_seqs, bf16)
 

@@ -196,10 +196,9 @@ def test_pairwise_rm_learns_and_exports(assets, sft_model, tmp_path, zero_stage)
     perturbed as another CPU's float results would perturb it); OMP_NUM_THREADS 1, and 2 for two of them
     (identical to every digit, as were ZeRO-2 and ZeRO-3 to 1e-3): accuracy 0.914-0.985 (this test's run: 0.924),
     margin 3.69-6.17, first-step loss 0.677-0.705. The bars sit below those minima: 0.85 is 13 of the 198
-    held-out pairs below the lowest accuracy. At the former lr 2e-3 the same grid (28 runs, before CPU attention
-    became varlen_sdpa) spread 0.71-0.975, margin 0.91-10.1: too high a rate for this 0.5M model, whose outcome
-    then hung on float noise (this test's run at ZeRO-2 / ZeRO-3: 0.950 / 0.955 on one machine, 0.884 / 0.864
-    on this one, 0.919 / 0.859 here after the attention change). ~15-30 s per run on 2 cores."""
+    held-out pairs below the lowest accuracy. At lr 2e-3 the same grid (28 runs) spread 0.71-0.975, margin
+    0.91-10.1: too high a rate for this 0.5M model, whose outcome then hangs on float noise (this test's run at
+    ZeRO-2 / ZeRO-3 differed by up to 0.09 between machines). ~15-30 s per run on 2 cores."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     data = f"{assets}/data/reverse"
@@ -281,9 +280,9 @@ def test_prm_learns_and_exports(assets, tmp_path):
 
     Measured (2-core AMD EPYC with AVX512-BF16): --seed 42 and 1-7, OMP_NUM_THREADS 1, and 2 for --seed 42
     and 3 (identical to every digit): after 31 steps 0.526-0.624, at the end 0.834-1.000 (this test's run:
-    0.624 -> 0.925), rise 0.24-0.45; the bars sit below the lowest end and rise with 0.08 to spare. At the
-    former lr 2e-3, seeds 42 and 1-4 ended at 0.810-0.940 (and 0.867-0.974 before CPU attention became
-    varlen_sdpa: float noise decides how far the 0.5M model gets), with 0.649 after 31 steps at one seed.
+    0.624 -> 0.925), rise 0.24-0.45; the bars sit below the lowest end and rise with 0.08 to spare. At lr 2e-3,
+    seeds 42 and 1-4 ended at 0.810-0.940 (float noise decides how far the 0.5M model gets), with 0.649 after
+    31 steps at one seed.
     ~20-30 s on 2 cores."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
