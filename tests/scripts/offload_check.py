@@ -22,7 +22,7 @@ def train(model_path, zero_stage, offload):
                            param_dtype="fp32")
     ds_config = deepspeed_config(train_args, 1)
     engine = create_train_engine(load_causal_lm(ModelArgs(pretrain=model_path), ds_config),
-                                 train_args, ds_config, num_training_steps=3)
+                                 train_args, ds_config, num_training_steps=3, offload_states=offload)
     batch = to_device(collate([{"input_ids": [3, 100 + i, 101, 102, 103], "loss_mask": [1] * 5} for i in range(2)], 0),
                       device())
     freed = []
