@@ -132,9 +132,11 @@ def _torch_flash_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu
 
 
 def _by_device(cpu, cuda):
-    """One function of flash-attn's contract that runs `cpu` on CPU tensors and `cuda` on CUDA tensors."""
-    def kernel(q, *args, **kwargs):
-        return (cuda if q.is_cuda else cpu)(q, *args, **kwargs)
+    """One function of flash-attn's contract that runs `cpu` on CPU tensors and `cuda` on CUDA tensors (read off
+    its first argument, q or dout, passed by position or by name)."""
+    def kernel(*args, **kwargs):
+        first = args[0] if args else next(iter(kwargs.values()))
+        return (cuda if first.is_cuda else cpu)(*args, **kwargs)
     return kernel
 
 
