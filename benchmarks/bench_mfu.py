@@ -114,7 +114,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     rows = run(args.layers, args.tokens, args.warmup, args.steps)
     print(f"{rows[0]['device']} {rows[0]['dtype']}: matmul {rows[0]['matmul_tflops']:.2f} TFLOP/s measured; "
-          f"{rows[0]['linear_params'] / 1e6:.1f}M Linear weights; {rows[0]['step_tflop']:.3f} TFLOP a step (8 x)")
+          f"{rows[0]['linear_params'] / 1e6:.1f}M Linear weights; {rows[0]['step_tflop']:.3f} TFLOP a step "
+          f"({rows[0]['layout']})")
     print(f"{'layout':>10} {'optimizer':>9} {'s/step':>8} {'TFLOP/s':>8} {'MFU peak':>9} {'MFU matmul':>11}")
     for r in rows:
         peak = f"{r['mfu_peak']:.1%}" if r["mfu_peak"] is not None else "-"
