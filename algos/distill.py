@@ -71,6 +71,7 @@ from common.engine import (  # noqa: E402
     save_hf_model, script_ckpt_args, set_seed, uses_bf16, validate_common_args, world_size_from_env,
 )
 from common.packing import collate, lockstep_shard, one_row_per_batch, to_device  # noqa: E402
+from common.gpu import check_weight_sync_model  # noqa: E402
 from common.varlen_attention import default_attn_implementation  # noqa: E402
 from common.ring_attention import (  # noqa: E402
     RingArgs, check_ring_model, data_parallel, ring_deepspeed_config, ring_response_logits, setup_ring,
@@ -147,6 +148,7 @@ def parse_args(argv=None):
         raise ValueError(f"--teacher_top_k must be >= 0, got {args.teacher_top_k}")
     if not 0 <= args.lmbda <= 1:
         raise ValueError(f"--lmbda must be in [0, 1], got {args.lmbda}")
+    check_weight_sync_model(args.model.load_in_4bit, args.lmbda > 0, "--lmbda > 0 (on-policy samples)")
     if args.lmbda > 0 and args.ring.ring_attn_size > 1:
         raise ValueError("--lmbda > 0 (on-policy samples) with --ring_attn_size > 1 is not supported")
     if args.lmbda > 0 and args.kd_coef == 0:

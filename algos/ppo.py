@@ -584,7 +584,8 @@ class PolicyTrainer(GroupMember):
         self.join(master_addr, master_port)
         args, self.ckpt_dir = self.args, os.path.join(self.args.ckpt.ckpt_path, "actor")
         ds_config = ring_deepspeed_config(args.train, self.world, self.ring)
-        self.engine = create_train_engine(self.load(args.model, ds_config), args.train, ds_config, num_training_steps)
+        self.engine = create_train_engine(self.load(args.model, ds_config), args.train, ds_config, num_training_steps,
+                                          offload_states=args.deepspeed_enable_sleep)
         return True
 
     def setup_weight_sync(self, engines):
@@ -640,7 +641,8 @@ class CriticTrainer(GroupMember):
         ds_config = ring_deepspeed_config(train_args, self.world, self.ring)
         model = self.load(model_args, ds_config, model_cls=AutoModelForSequenceClassification, num_labels=1,
                           pad_token_id=self.pad_id)
-        self.engine = create_train_engine(model, train_args, ds_config, num_training_steps)
+        self.engine = create_train_engine(model, train_args, ds_config, num_training_steps,
+                                          offload_states=args.deepspeed_enable_sleep)
         return True
 
     def values(self, samples):

@@ -38,7 +38,8 @@ class ModelArgs:
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     attn_implementation: Optional[str] = None
-    """Attention kernel; default flash_attention_2 on CUDA when installed (else sdpa), varlen_sdpa on CPU."""
+    """Attention kernel; default varlen_sdpa (per packed sample: torch's flash kernels on CUDA in bf16, per-sample
+    sdpa in fp32, a fused CPU kernel on CPU); flash_attention_2 needs flash_attn, CUDA and bf16."""
     lora_rank: int = 0
     """LoRA rank; 0 trains all weights."""
     lora_alpha: int = 16
@@ -158,6 +159,19 @@ def validate_common_args(model: ModelArgs, train: TrainArgs, ckpt: CkptArgs, wor
     if ckpt.max_ckpt_num < 1:
         raise ValueError(f"--max_ckpt_num must be >= 1, got {ckpt.max_ckpt_num}")
     accumulation_steps(train.train_batch_size, train.micro_train_batch_size, world_size)
+    if model.attn_implementation is not None:  # flash-attn in fp32, or off CUDA, fails at the first forward
+        from common.gpu import attention_implementation
+
+        cuda = torch.cuda.is_available()
+        attention_implementation("cuda" if cuda else "cpu", "bfloat16" if cuda and uses_bf16(train) else "float32",
+                                 flash_attn_installed(), model.attn_implementation)
+
+
+def flash_attn_installed():
+    """Whether the flash_attn package is importable (found, not imported: it loads CUDA kernels)."""
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
 
 
 def accumulation_steps(train_batch_size, micro_train_batch_size, world_size):
@@ -324,7 +338,7 @@ def deepspeed_config(train: TrainArgs, world_size):
         "gradient_clipping": train.max_norm,
         "zero_optimization": zero,
         **precision_config(train),
-        "zero_allow_untested_optimizer": True,  # torch AdamW on CPU
+        "zero_allow_untested_optimizer": True,  # torch AdamW
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10**12,
         "wall_clock_breakdown": False,
@@ -358,7 +372,8 @@ def load_causal_lm(model_args: ModelArgs, ds_config=None, path=None, model_cls=N
     checkpointing as asked."""
     from transformers import AutoModelForCausalLM
 
-    from common.varlen_attention import default_attn_implementation  # also registers varlen_sdpa by name
+    import common.varlen_attention  # noqa: F401  (registers varlen_sdpa by name)
+    from common.gpu import attention_implementation
 
     model_cls = model_cls or AutoModelForCausalLM
     if ds_config is not None and ds_config["zero_optimization"]["stage"] == 3:
@@ -375,7 +390,9 @@ def load_causal_lm(model_args: ModelArgs, ds_config=None, path=None, model_cls=N
         )
     model = model_cls.from_pretrained(
         path or model_args.pretrain, dtype=dtype,
-        attn_implementation=model_args.attn_implementation or default_attn_implementation(), **kwargs,
+        attn_implementation=attention_implementation("cuda" if torch.cuda.is_available() else "cpu", dtype,
+                                                     flash_attn_installed(), model_args.attn_implementation),
+        **kwargs,
     )
     _HF_DS_CONFIGS.clear()
     if model_args.aux_loss_coef > 0:
@@ -410,10 +427,14 @@ def load_causal_lm(model_args: ModelArgs, ds_config=None, path=None, model_cls=N
     return model
 
 
-def create_train_engine(model, train: TrainArgs, ds_config, num_training_steps):
-    """Wrap `model` in a DeepSpeed engine with AdamW (no decay on biases / norms) and a warmup schedule."""
+def create_train_engine(model, train: TrainArgs, ds_config, num_training_steps, offload_states=False):
+    """Wrap `model` in a DeepSpeed engine with AdamW (no decay on biases / norms) and a warmup schedule;
+    offload_states: the engine's states will leave the device (engine.offload_states), which DeepSpeed does
+    under ZeRO-3 only with its own FusedAdam (common.gpu.optimizer_kind)."""
     import deepspeed
     from transformers import get_scheduler
+
+    from common.gpu import optimizer_kind
 
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -422,15 +443,16 @@ def create_train_engine(model, train: TrainArgs, ds_config, num_training_steps):
     groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     opt_kwargs = dict(lr=train.learning_rate, betas=train.adam_betas, eps=1e-8)
-    if train.adam_offload:
+    kind = optimizer_kind(torch.cuda.is_available(), train.adam_offload, train.zero_stage, offload_states)
+    if kind == "cpu_adam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **opt_kwargs)
-    elif torch.cuda.is_available():
+    elif kind == "deepspeed_fused":  # JIT-built on first use: needs nvcc matching torch's CUDA
         from deepspeed.ops.adam import FusedAdam
 
         optimizer = FusedAdam(groups, adam_w_mode=True, **opt_kwargs)
-    else:  # torch's fused CPU kernel: one pass over the weights, ~3x faster than the per-op loop
+    else:  # torch's fused kernel (CPU and CUDA, no build): one pass over the weights, ~3x the per-op loop on CPU
         optimizer = torch.optim.AdamW(groups, fused=True, **opt_kwargs)
     extra = {"min_lr_rate": train.min_lr_ratio} if train.lr_scheduler == "cosine_with_min_lr" else None
     scheduler = get_scheduler(

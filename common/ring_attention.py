@@ -1,8 +1,9 @@
 """Ring attention (context parallelism, OpenRLHF's --ring_attn_size / --ring_head_stride): the ranks of a ring
 share one packed row, each keeps a contiguous slice of its tokens, and attention all-gathers keys / values over
 the ring: ring-flash-attn 0.1.8's `llama3_flash_attn_varlen_func`, registered with transformers under NAME (no
-"flash" in it: transformers treats such names as flash-attention builds). On CUDA it runs over flash-attn; on
-CPU over common.varlen_attention's kernels, shown to ring-flash-attn as flash_attn only while it imports.
+"flash" in it: transformers treats such names as flash-attention builds). On CUDA it runs over flash-attn when
+installed, else over torch's own flash kernels (bf16 / fp16); on CPU over common.varlen_attention's kernels;
+both stand-ins are shown to ring-flash-attn as flash_attn only while it imports.
 
 `ring_token_logps` pads a one-row micro-batch to a multiple of the ring size, forwards this rank's slice with its
 global position ids (next-token targets taken before the split; sample boundaries passed as the `ring_params`
@@ -102,6 +103,43 @@ def _cpu_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens
         buffer.copy_(grad)
 
 
+def _torch_flash_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                                alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
+                                seqused_k=None, zero_tensors=False):
+    """flash-attn 2.8's `_flash_attn_varlen_forward` contract over torch's own flash kernel (CUDA, bf16 / fp16:
+    the op torch.nn.attention.varlen.varlen_attn calls): (out, lse (heads, total_q), None, None)."""
+    _unsupported(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens_q.int(), cu_seqlens_k.int(), max_seqlen_q, max_seqlen_k, 0.0, causal, False,
+        scale=softmax_scale)
+    return out, lse, None, None
+
+
+def _torch_flash_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                 max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left=-1,
+                                 window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
+                                 rng_state=None, zero_tensors=False):
+    """flash-attn 2.8's `_flash_attn_varlen_backward` contract over torch's own flash kernel: writes the
+    gradients into dq, dk, dv."""
+    _unsupported(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    no_dropout = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    grads = torch.ops.aten._flash_attention_backward(
+        dout, q, k, v, out, softmax_lse, cu_seqlens_q.int(), cu_seqlens_k.int(), max_seqlen_q, max_seqlen_k, 0.0,
+        causal, no_dropout, torch.empty(0, device=q.device), scale=softmax_scale)
+    for buffer, grad in zip((dq, dk, dv), grads):
+        buffer.copy_(grad)
+
+
+def _by_device(cpu, cuda):
+    """One function of flash-attn's contract that runs `cpu` on CPU tensors and `cuda` on CUDA tensors (read off
+    its first argument, q or dout, passed by position or by name)."""
+    def kernel(*args, **kwargs):
+        first = args[0] if args else next(iter(kwargs.values()))
+        return (cuda if first.is_cuda else cpu)(*args, **kwargs)
+    return kernel
+
+
 def _no_dense_kernel(*args, **kwargs):
     raise NotImplementedError("only the varlen kernels exist on CPU (ring-flash-attn's llama3 varlen path)")
 
@@ -109,7 +147,8 @@ def _no_dense_kernel(*args, **kwargs):
 @cache
 def import_ring_flash_attn():
     """ring_flash_attn's `llama3_flash_attn_varlen_func` and `llama3_flash_attn_prepare_cu_seqlens`, imported
-    over the real flash_attn when it imports, else over the CPU kernels (in sys.modules only during the import)."""
+    over the real flash_attn when it imports, else over a stand-in (in sys.modules only during the import) whose
+    kernels are torch's own flash kernels for CUDA tensors and common.varlen_attention's for CPU tensors."""
     import transformers.modeling_flash_attention_utils as mfa
     import transformers.modeling_utils  # noqa: F401  (transformers probes flash_attn before the stand-in exists)
 
@@ -123,8 +162,8 @@ def import_ring_flash_attn():
         stand_in = None
     except ImportError:
         package, interface = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.flash_attn_interface")
-        interface._flash_attn_varlen_forward, interface._flash_attn_varlen_backward = (_cpu_varlen_forward,
-                                                                                       _cpu_varlen_backward)
+        interface._flash_attn_varlen_forward = _by_device(_cpu_varlen_forward, _torch_flash_varlen_forward)
+        interface._flash_attn_varlen_backward = _by_device(_cpu_varlen_backward, _torch_flash_varlen_backward)
         interface._flash_attn_forward = interface._flash_attn_backward = _no_dense_kernel
         package.flash_attn_interface = interface
         stand_in = {"flash_attn": package, "flash_attn.flash_attn_interface": interface}
@@ -210,20 +249,18 @@ def ring_attention_forward(module, query, key, value, attention_mask, scaling=No
                            sliding_window=None, softcap=None, ring_params=None, **kwargs):
     """transformers attention function. With `ring_params` (this rank's slice of a packed row, batch 1):
     query (1, heads, local len, dim) -> (1, local len, heads, dim) through the ring. Without: the whole
-    rows are here, and each sample attends within itself (flash-attn's varlen path on CUDA)."""
-    if ring_params is None:
-        if query.is_cuda:
-            from transformers.integrations.flash_attention import flash_attention_forward
-
-            return flash_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                           dropout=dropout, position_ids=position_ids, sliding_window=sliding_window,
-                                           softcap=softcap, **kwargs)
+    rows are here, and each sample attends within itself (common.varlen_attention's varlen_sdpa)."""
+    if ring_params is None:  # varlen_sdpa: torch's flash kernels on CUDA, the CPU kernel on CPU
         return varlen_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                         position_ids=position_ids, sliding_window=sliding_window, softcap=softcap,
                                         **kwargs)
     if query.shape[0] != 1 or attention_mask is not None or sliding_window or softcap or (dropout and module.training):
         raise ValueError("ring attention takes one packed row, full causal attention, no mask, softcap or dropout")
     ring_fn, _ = import_ring_flash_attn()
+    if query.is_cuda:  # fp32 on CUDA: neither flash kernel takes it; refused here, at the first forward
+        from common.gpu import ring_kernel
+
+        ring_kernel("cuda", value.dtype, "flash_attn" in sys.modules)
     # under CPU autocast the rotary embedding hands back fp32 queries and keys beside bf16 values: attend in fp32
     dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
     q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # (len, heads, dim)

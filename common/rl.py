@@ -21,6 +21,7 @@ import tyro
 
 from common.data import BadRow, format_prompt, load_one, validate_prompt_args
 from common.engine import ModelArgs, free_port, init_distributed, set_seed, uses_bf16
+from common.gpu import check_colocation, check_weight_sync_model
 from common.episodes import Episode, episode_sample, load_env, run_episodes, validate_agent_args
 from common.packing import collate
 from common.roles import RoleFailed
@@ -197,6 +198,9 @@ def validate_rollout_args(args, world, script):
                          f"x --vllm_tensor_parallel_size must equal {world} trainer ranks")
     if args.vllm_enable_sleep and not args.colocate_all_models:
         raise ValueError("--vllm_enable_sleep only helps with --colocate_all_models")
+    check_colocation(args.colocate_all_models, args.engine.vllm_gpu_memory_utilization, args.engine.tp_size,
+                     torch.cuda.is_available())  # common.gpu: what a CUDA device cannot hold
+    check_weight_sync_model(args.model.load_in_4bit, True, script)
     overlap = args.async_rollout
     if overlap.max_staleness < 0:
         raise ValueError(f"--max_staleness must be >= 0, got {overlap.max_staleness}")

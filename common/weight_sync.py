@@ -85,6 +85,10 @@ class HFWeightSource(WeightSource):
                              layer.scaling[a]) for a in layer.active_adapters]
                 layer = layer.base_layer
             params = dict(layer.named_parameters(recurse=False))
+            packed = [n for n, p in params.items() if type(p).__name__ == "Params4bit"]
+            if packed:  # common.gpu.check_weight_sync_model refuses this before any model loads
+                raise ValueError(f"weight sync: {name}.{packed[0]} is a packed 4-bit (QLoRA) weight, which vLLM "
+                                 "cannot load; train LoRA on a bf16 base (drop --load_in_4bit)")
             if params:
                 yield name, params, adapters
 

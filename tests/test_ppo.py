@@ -334,9 +334,11 @@ def test_deepspeed_sleep_round_trip_keeps_training_exact(assets, zero_stage):
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_deepspeed_sleep_frees_device_memory(assets, zero_stage):
     """On CUDA the offload frees at least the fp32 weights and the two Adam moments of the 0.4M model (3 x 4 bytes
-    a parameter), and training stays exact."""
+    a parameter), and training matches the run without it to rounding: two CUDA runs of one program need not be
+    bit-equal (cuBLAS and the attention backward pick kernels and reduction orders per run), so the weights after
+    3 steps agree to 1e-4, far below the ~1e-2 each step moves them."""
     result = offload_check(assets, zero_stage)
-    assert result["max_diff"] == 0.0 and result["freed_bytes"] >= 3 * 4 * 400_000, result
+    assert result["max_diff"] <= 1e-4 and result["freed_bytes"] >= 3 * 4 * 400_000, result
 
 
 def test_ptx_loss_mixed_into_the_actor_step(assets):

@@ -1,7 +1,8 @@
 """Driver for tests/test_ppo.py: one process, a DeepSpeed engine of a tiny model (ZeRO stage from argv) trained
 3 steps twice from the same start, once with its states moved off the device and back
 between steps (ppo.py's --deepspeed_enable_sleep: engine.offload_states / reload_states), once without;
-prints the largest weight difference, and on CUDA the device memory the first offload freed, as JSON."""
+prints the largest weight difference, and on CUDA the device memory the first offload freed, as JSON.
+argv: model path, ZeRO stage[, fp32 | bf16]."""
 
 import json
 import os
@@ -17,12 +18,12 @@ from common.engine import (  # noqa: E402
 from common.packing import collate, to_device, token_logps  # noqa: E402
 
 
-def train(model_path, zero_stage, offload):
+def train(model_path, zero_stage, offload, dtype="fp32"):
     train_args = TrainArgs(train_batch_size=2, micro_train_batch_size=2, zero_stage=zero_stage, learning_rate=1e-2,
-                           param_dtype="fp32")
+                           param_dtype=dtype)
     ds_config = deepspeed_config(train_args, 1)
     engine = create_train_engine(load_causal_lm(ModelArgs(pretrain=model_path), ds_config),
-                                 train_args, ds_config, num_training_steps=3)
+                                 train_args, ds_config, num_training_steps=3, offload_states=offload)
     batch = to_device(collate([{"input_ids": [3, 100 + i, 101, 102, 103], "loss_mask": [1] * 5} for i in range(2)], 0),
                       device())
     freed = []
@@ -41,9 +42,9 @@ def train(model_path, zero_stage, offload):
 if __name__ == "__main__":
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ["MASTER_PORT"])
-    model_path, zero_stage = sys.argv[1], int(sys.argv[2])
+    model_path, zero_stage, dtype = sys.argv[1], int(sys.argv[2]), (sys.argv[3:] or ["fp32"])[0]  # fp32 or bf16
     init_distributed()
-    (plain, _), (slept, freed) = (train(model_path, zero_stage, offload) for offload in (False, True))
+    (plain, _), (slept, freed) = (train(model_path, zero_stage, offload, dtype) for offload in (False, True))
     start = load_causal_lm(ModelArgs(pretrain=model_path)).state_dict()
     print(json.dumps({"max_diff": max((plain[k] - slept[k]).abs().max().item() for k in plain),
                       "moved": max((plain[k] - start[k]).abs().max().item() for k in plain), "freed_bytes": freed[0]}))

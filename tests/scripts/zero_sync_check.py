@@ -21,13 +21,14 @@ if __name__ == "__main__":
     model_path, zero_stage, lora_rank, out_file = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    cuda = torch.cuda.is_available()  # CUDA: bf16 trainer and engine, bf16 sent; CPU: fp32 throughout
     train = TrainArgs(train_batch_size=2 * world, micro_train_batch_size=2, zero_stage=zero_stage, learning_rate=1e-2,
-                      param_dtype="fp32")
+                      param_dtype="bf16" if cuda else "fp32")
     ds_config = deepspeed_config(train, world)
     model = load_causal_lm(ModelArgs(pretrain=model_path, lora_rank=lora_rank), ds_config)
     engine = create_train_engine(model, train, ds_config, num_training_steps=3)
-    llm = create_vllm_engine(model_path, EngineArgs(max_model_len=128)) if rank == 0 else None
-    sync = WeightSync([llm] if llm else [], colocated=True)  # in-process: the trainer's device
+    llm = create_vllm_engine(model_path, EngineArgs(max_model_len=128), bf16=cuda) if rank == 0 else None
+    sync = WeightSync([llm] if llm else [], colocated=True)  # in-process: the trainer's device (CUDA: IPC)
     sequences = [[3, 100 + i, 101, 102, 103, 104, 105 + rank] for i in range(2)]
     for _ in range(3):  # a few real optimizer steps, so the weights differ from the checkpoint
         batch = collate([{"input_ids": s, "loss_mask": [1] * len(s)} for s in sequences], 0, max_tokens=64)
