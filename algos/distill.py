@@ -64,21 +64,21 @@ from common.data import (  # noqa: E402
     BadRow, DataArgs, format_prompt, format_response, get_field, load_tokenizer, prepare_dataset, rank0_first,
     tokenization_cache_key, validate_data_args,
 )
-from common.engine import (  # noqa: E402
+from common.infra.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
     deepspeed_eval_config, device, finish, hold_ckpt_path,
     init_distributed, is_rank0, load_causal_lm, load_checkpoint, optimizer_step, parse_cli, save_checkpoint,
     save_hf_model, script_ckpt_args, set_seed, uses_bf16, validate_common_args, world_size_from_env,
 )
 from common.packing import collate, lockstep_shard, one_row_per_batch, to_device  # noqa: E402
-from common.gpu import check_weight_sync_model  # noqa: E402
-from common.varlen_attention import default_attn_implementation  # noqa: E402
+from common.infra.gpu import check_weight_sync_model  # noqa: E402
+from common.kernels.varlen_attention import default_attn_implementation  # noqa: E402
 from common.ring_attention import (  # noqa: E402
     RingArgs, check_ring_model, data_parallel, ring_deepspeed_config, ring_response_logits, setup_ring,
     validate_ring_args,
 )
-from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
-from common.vllm_engine import (  # noqa: E402
+from common.infra.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
+from common.infra.vllm_engine import (  # noqa: E402
     EngineArgs, EngineError, SamplingArgs, create_vllm_engine, default_max_num_seqs, resolve_max_model_len,
     vllm_generate,
 )
@@ -508,7 +508,7 @@ def main(args: Args):
     engine = create_train_engine(model, args.train, ds_config, total_steps)
     llm = sync = None
     if args.lmbda > 0:  # the student's sampler: a vLLM engine on rank 0, fed the trainer's weights
-        from common.weight_sync import WeightSync  # imports vLLM: only for on-policy runs
+        from common.infra.weight_sync import WeightSync  # imports vLLM: only for on-policy runs
 
         llm = (create_vllm_engine(args.model.pretrain, args.vllm, max_num_seqs=default_max_num_seqs(
             args.train.train_batch_size), bf16=uses_bf16(args.train))
@@ -617,4 +617,4 @@ if __name__ == "__main__":
         finish(error=e)
     except EngineError as e:  # rank 0's on-policy engine failed (torchrun then stops the other ranks)
         finish(error=e)
-    finish()  # exit without interpreter teardown (see common.engine.finish)
+    finish()  # exit without interpreter teardown (see common.infra.engine.finish)

@@ -1,6 +1,6 @@
 """Batch generation: n samples per prompt with vLLM (or Hugging Face generate), optional scoring
 with reward models from rm.py and / or a reward function (a Python file or a reward server, see
-common/remote_reward.py), and post-processing into new training data: best-of-n, rejection
+common/infra/remote_reward.py), and post-processing into new training data: best-of-n, rejection
 sampling (SFT data), conditional SFT (SFT data with the score in the prompt) and iterative-DPO
 pairs (best vs worst, DPO data).
 
@@ -26,10 +26,10 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import DataArgs, format_prompt, format_response, load_one, load_tokenizer, validate_prompt_args  # noqa: E402
-from common.engine import finish, parse_cli  # noqa: E402
-from common.remote_reward import make_reward_fn  # noqa: E402
-from common.tracking import progress  # noqa: E402
-from common.vllm_engine import (  # noqa: E402
+from common.infra.engine import finish, parse_cli  # noqa: E402
+from common.infra.remote_reward import make_reward_fn  # noqa: E402
+from common.infra.tracking import progress  # noqa: E402
+from common.infra.vllm_engine import (  # noqa: E402
     EngineArgs, EngineError, HFGenerator, SamplingArgs, create_vllm_engine, default_max_num_seqs, model_max_len,
     resolve_max_model_len, vllm_generate,
 )
@@ -83,7 +83,7 @@ class Args:
     reward_func: Optional[str] = None
     """A Python file defining reward_func(queries, prompts, labels) -> one float per query (added to RM rewards)."""
     remote_rm_url: Optional[str] = None
-    """A reward server's URL (python -m common.remote_reward) or a .py reward file, instead of --reward_func;
+    """A reward server's URL (python launch/reward_server.py) or a .py reward file, instead of --reward_func;
     queries are sent as prompt text + response."""
     remote_rm_token: Optional[str] = None
     """Bearer token of the --remote_rm_url server (default: $MINRLHF_REWARD_TOKEN, which keeps it out of `ps`)."""
@@ -174,7 +174,7 @@ def compute_rewards(args, chunk, responses, reward_models, rm_tokenizer, data_ar
     prompts = [p["prompt_text"] for p in chunk for _ in range(args.best_of_n)]
     total = torch.zeros(len(prompts))
     if reward_models:  # the RM reads the text as rm.py trained it: templated prompt + templated response
-        from common.reward import score
+        from common.infra.reward import score
 
         texts = [p["prompt_text"] + format_response(p["prompt"], r, rm_tokenizer, data_args)
                  for p, rs in zip(chunk, responses) for r in rs]
@@ -296,4 +296,4 @@ if __name__ == "__main__":
         main(parsed)
     except (ValueError, EngineError) as e:  # data mistakes; an engine that could not start (with its root cause)
         sys.exit(f"error: {e}")
-    finish()  # exit without interpreter teardown (see common.engine.finish)
+    finish()  # exit without interpreter teardown (see common.infra.engine.finish)

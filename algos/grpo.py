@@ -50,7 +50,7 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common.data import load_tokenizer  # noqa: E402
-from common.engine import (  # noqa: E402
+from common.infra.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
     deepspeed_eval_config, device, finish, hold_ckpt_path, load_causal_lm, load_checkpoint,
     optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, validate_common_args,
@@ -67,9 +67,9 @@ from common.rl import (  # noqa: E402
     reward_function, rollout_metrics, rollout_samples, rollout_steps, split_steps, start_engines, start_group,
     start_ray, start_reward_models, token_sample, trainer_bundles, validate_rollout_args, weight_sync,
 )
-from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
-from common.tracking import MetricsLogger, eval_due, exit_with_error, progress  # noqa: E402
-from common.varlen_attention import NAME as VARLEN_ATTENTION  # noqa: E402
+from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
+from common.infra.tracking import MetricsLogger, eval_due, exit_with_error, progress  # noqa: E402
+from common.kernels.varlen_attention import NAME as VARLEN_ATTENTION  # noqa: E402
 
 ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline")
 GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
@@ -666,4 +666,4 @@ if __name__ == "__main__":
         exit_with_error(e)
     except RoleFailed as e:  # a role died, raised or did not start: named, with its root cause
         exit_with_error(e)
-    finish()  # exit without interpreter teardown (see common.engine.finish)
+    finish()  # exit without interpreter teardown (see common.infra.engine.finish)

@@ -50,7 +50,7 @@ from common.data import (  # noqa: E402
     BadRow, DataArgs, format_prompt, format_response, get_field, load_tokenizer, prepare_dataset, rank0_first,
     tokenization_cache_key, validate_data_args,
 )
-from common.engine import (  # noqa: E402
+from common.infra.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, create_eval_engine, create_train_engine,
     deepspeed_eval_config, device, finish, hold_ckpt_path, init_distributed, is_rank0, load_causal_lm, load_checkpoint,
     optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args,
@@ -61,7 +61,7 @@ from common.ring_attention import (  # noqa: E402
     RingArgs, check_ring_model, data_parallel, ring_deepspeed_config, ring_response_logps, setup_ring,
     validate_ring_args,
 )
-from common.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
+from common.infra.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 
 
 @dataclass
@@ -434,4 +434,4 @@ if __name__ == "__main__":
         main(parsed)
     except ValueError as e:  # data mistakes, raised alike on every rank: rank 0 says what to fix
         finish(error=e)
-    finish()  # exit without interpreter teardown (see common.engine.finish)
+    finish()  # exit without interpreter teardown (see common.infra.engine.finish)

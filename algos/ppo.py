@@ -42,14 +42,14 @@ import tyro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common.data import load_one, load_tokenizer  # noqa: E402
-from common.engine import (  # noqa: E402
+from common.infra.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
     deepspeed_eval_config, device, finish, hold_ckpt_path, load_causal_lm, load_checkpoint,
     optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, validate_common_args,
 )
 from common.episodes import AgentArgs  # noqa: E402
 from common.packing import collate, one_row_per_batch, to_device, unpack  # noqa: E402
-from common.reward import unwrap  # noqa: E402
+from common.infra.reward import unwrap  # noqa: E402
 from common.ring_attention import (  # noqa: E402
     RingArgs, check_ring_model, ring_deepspeed_config, ring_forward, ring_next_token_values, ring_token_logps,
     setup_ring, validate_ring_args,
@@ -60,8 +60,8 @@ from common.rl import (  # noqa: E402
     reward_function, rollout_metrics, rollout_samples, rollout_steps, split_steps, start_engines, start_group,
     start_ray, start_reward_models, trainer_bundles, validate_rollout_args, weight_sync,
 )
-from common.roles import RoleFailed, Roles, actor_class  # noqa: E402
-from common.tracking import MetricsLogger, eval_due, exit_with_error, progress  # noqa: E402
+from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
+from common.infra.tracking import MetricsLogger, eval_due, exit_with_error, progress  # noqa: E402
 
 
 @dataclass
@@ -906,4 +906,4 @@ if __name__ == "__main__":
         main(parsed)
     except (ValueError, RoleFailed) as e:  # data mistakes found before training; a role that died, raised or
         exit_with_error(e)  # did not start, named with its root cause
-    finish()  # exit without interpreter teardown (see common.engine.finish)
+    finish()  # exit without interpreter teardown (see common.infra.engine.finish)

@@ -1,4 +1,4 @@
-"""The two plans of the CPU attention kernel (common/varlen_attention.py) side by side: per-length groups
+"""The two plans of the CPU attention kernel (common/kernels/varlen_attention.py) side by side: per-length groups
 (one fused call per group of samples of one length) against blocks (all samples in equal padded blocks,
 one masked call), and the plan `batch_plan` picks, on the batch shapes of benchmarks/vs_trl.py.
 
@@ -23,8 +23,8 @@ import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import varlen_attention  # noqa: E402
-from common.engine import cpu_has_native_bf16  # noqa: E402
+from common.kernels import varlen_attention  # noqa: E402
+from common.infra.engine import cpu_has_native_bf16  # noqa: E402
 from common.packing import collate, response_logps  # noqa: E402
 
 

@@ -5,7 +5,7 @@ the samples whose advantages are all 0.
     python benchmarks/bench_grpo.py --models llama-0.5m llama-10m --modes sync async
     python benchmarks/bench_grpo.py --models llama-10m --modes sync noskip --signal_share 0.25
 
-For each model and mode: builds the model (common/tiny.py) if missing, runs `algos/grpo.py` for
+For each model and mode: builds the model (launch/tiny.py) if missing, runs `algos/grpo.py` for
 --steps rollout steps on the reversal prompts, and prints the mean seconds of each phase (generate,
 reward, logprobs, train, sync; with --async_train generate and reward ran during the previous
 step's update), the driver's wait for the rollout, the step time, samples/s, and the idle fraction
@@ -29,7 +29,7 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common.tiny import build_assets  # noqa: E402
+from launch.tiny import build_assets  # noqa: E402
 
 PHASES = ("generate", "reward", "logprobs", "train", "sync", "rollout_wait")
 
@@ -37,7 +37,7 @@ PHASES = ("generate", "reward", "logprobs", "train", "sync", "rollout_wait")
 @dataclass
 class Args:
     models: tuple[str, ...] = ("llama-0.5m", "llama-10m")
-    """Tiny models to time (names from common/tiny.py)."""
+    """Tiny models to time (names from launch/tiny.py)."""
     assets: str = "assets"
     """Where the tiny models and data are (built if missing)."""
     steps: int = 6

@@ -62,8 +62,8 @@ def run(layers=None, tokens=None, warmup=2, steps=5):
     over the measured matmul rate."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    import common.varlen_attention  # noqa: F401  (registers varlen_sdpa)
-    from common.engine import cpu_has_native_bf16
+    import common.kernels.varlen_attention  # noqa: F401  (registers varlen_sdpa)
+    from common.infra.engine import cpu_has_native_bf16
     from common.packing import collate, to_device, token_logps
 
     cuda = torch.cuda.is_available()

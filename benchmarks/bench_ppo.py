@@ -3,7 +3,7 @@ real script (Ray driver, DeepSpeed actor and critic ranks, vLLM engines) on the 
 
     python benchmarks/bench_ppo.py --models llama-0.5m llama-10m
 
-For each model: builds it (common/tiny.py) if missing, runs `algos/ppo.py` for --steps rollout steps
+For each model: builds it (launch/tiny.py) if missing, runs `algos/ppo.py` for --steps rollout steps
 on the reversal prompts (critic from the same model, a fresh value head), and prints the mean seconds
 of each phase over the steps after the first (start-up excluded): generate, reward, logprobs_values
 (actor old / reference log-probs and critic values, side by side), train (actor and critic updates,
@@ -22,7 +22,7 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common.tiny import build_assets  # noqa: E402
+from launch.tiny import build_assets  # noqa: E402
 
 PHASES = ("generate", "reward", "logprobs_values", "actor_train", "critic_train", "train", "sync")
 
@@ -30,7 +30,7 @@ PHASES = ("generate", "reward", "logprobs_values", "actor_train", "critic_train"
 @dataclass
 class Args:
     models: tuple[str, ...] = ("llama-0.5m", "llama-10m")
-    """Tiny models to time (names from common/tiny.py)."""
+    """Tiny models to time (names from launch/tiny.py)."""
     assets: str = "assets"
     """Where the tiny models and data are (built if missing)."""
     steps: int = 6

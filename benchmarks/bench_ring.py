@@ -24,7 +24,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.ring_attention import import_ring_flash_attn  # noqa: E402
-from common.varlen_attention import varlen_attention_forward  # noqa: E402
+from common.kernels.varlen_attention import varlen_attention_forward  # noqa: E402
 
 
 @dataclass

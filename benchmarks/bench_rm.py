@@ -4,7 +4,7 @@
 
 Synthesises preference pairs (a shared prompt and two responses, lognormal lengths with a long tail),
 then for each layout collates each micro-batch's chosen and rejected sequences into one batch with
-`common.packing.collate`, as algos/rm.py does, and times forward (`common.reward.sequence_rewards`,
+`common.packing.collate`, as algos/rm.py does, and times forward (`common.infra.reward.sequence_rewards`,
 the value head read at each sample's last token) + backward + AdamW step with rm.py's loss
 (-log sigmoid(r_chosen - r_rejected), mean over pairs). Reports pairs/s, real (non-pad) tokens/s and
 the padding fraction. Each layout trains its own fresh copy of the model; the two alternate step by
@@ -29,7 +29,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.packing import collate, to_device  # noqa: E402
-from common.reward import sequence_rewards  # noqa: E402
+from common.infra.reward import sequence_rewards  # noqa: E402
 
 
 @dataclass

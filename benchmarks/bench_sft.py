@@ -12,7 +12,7 @@ on the machine slows both alike. "loss step 1" must agree between layouts (same 
 It runs the plain Hugging Face model with torch.optim.AdamW, not DeepSpeed: DeepSpeed's start-up
 costs seconds and adds nothing to a comparison of batch layouts. CPU: fp32; padded and packed rows
 through transformers' SDPA (a block-diagonal mask over each packed row), and packed rows through
-common/varlen_attention.py (attention within each sample, what the scripts use on CPU). CUDA: bf16,
+common/kernels/varlen_attention.py (attention within each sample, what the scripts use on CPU). CUDA: bf16,
 and flash_attention_2 with one packed row per micro-batch when flash_attn imports (as sft.py's make_batch).
 """
 
@@ -28,7 +28,7 @@ import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.packing import collate, to_device, token_logps  # noqa: E402
-from common.varlen_attention import NAME as VARLEN  # noqa: E402
+from common.kernels.varlen_attention import NAME as VARLEN  # noqa: E402
 
 
 @dataclass

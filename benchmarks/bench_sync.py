@@ -1,4 +1,4 @@
-"""Weight-sync and generation throughput of the vLLM layer (common/vllm_engine.py).
+"""Weight-sync and generation throughput of the vLLM layer (common/infra/vllm_engine.py).
 
     python benchmarks/bench_sync.py --model assets/llama-10m
 
@@ -17,8 +17,8 @@ import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.vllm_engine import EngineArgs, SamplingArgs, create_vllm_engine, vllm_generate  # noqa: E402
-from common.weight_sync import WeightSync, _broadcast_from_0, _in_thread  # noqa: E402
+from common.infra.vllm_engine import EngineArgs, SamplingArgs, create_vllm_engine, vllm_generate  # noqa: E402
+from common.infra.weight_sync import WeightSync, _broadcast_from_0, _in_thread  # noqa: E402
 
 
 @dataclass

@@ -5,7 +5,7 @@ Each setting runs in a fresh process (vLLM reads its environment once).
     python benchmarks/bench_vllm.py --model assets/llama-10m
 
 Settings: `mp` is vLLM's own default (VLLM_ENABLE_V1_MULTIPROCESSING=1: the engine core in a process of its
-own, requests and outputs over ZMQ; what common.vllm_engine uses); `inproc` sets
+own, requests and outputs over ZMQ; what common.infra.vllm_engine uses); `inproc` sets
 VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine core runs in the caller's process).
 """
 
@@ -42,7 +42,7 @@ class Args:
 
 def probe(args: Args):
     """One setting, in this process: start-up seconds and the median generation call."""
-    from common.vllm_engine import EngineArgs, SamplingArgs, create_vllm_engine, vllm_generate
+    from common.infra.vllm_engine import EngineArgs, SamplingArgs, create_vllm_engine, vllm_generate
 
     start = time.perf_counter()
     llm = create_vllm_engine(args.model, EngineArgs(max_model_len=128), max_num_seqs=args.prompts * args.n)

@@ -288,7 +288,7 @@ def ours_grpo(args, data, tmp, r, dtype):
 
 
 def main(args: Args):
-    from common.engine import cpu_has_native_bf16
+    from common.infra.engine import cpu_has_native_bf16
 
     chosen = [a.strip() for a in args.algos.split(",") if a.strip()]
     if not chosen or set(chosen) - {"sft", "dpo", "grpo"}:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from common.data import format_prompt
-from common.vllm_engine import SamplingArgs
+from common.infra.vllm_engine import SamplingArgs
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Packing: variable-length samples in rows with `position_ids` restarting at 0 per sample and no
-attention mask. With a per-sample kernel (flash-attention's varlen on CUDA, varlen_sdpa on CPU) a
+attention mask. With a per-sample kernel (varlen_sdpa: torch's varlen flash kernels on CUDA, its own on CPU) a
 micro-batch is one row; with masked attention (sdpa, eager) samples are bin-packed into bounded rows.
 Plus the padded layout kept for comparison, and the per-token log-prob forward both share.
 
@@ -12,6 +12,8 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from common.infra.gpu import PACKED
 
 
 def pack_sequences(lengths, max_tokens):
@@ -33,13 +35,11 @@ def pack_sequences(lengths, max_tokens):
 
 def one_row_per_batch(attn_implementation=None):
     """Whether a micro-batch packs as one row: kernels that attend within each packed sample
-    (flash-attention's varlen, common.varlen_attention's varlen_sdpa) do Σ lᵢ² work on any row
+    (flash-attention's varlen, common.kernels.varlen_attention's varlen_sdpa) do Σ lᵢ² work on any row
     length, so one row needs no padding; masked attention (sdpa, eager) does L², so rows stay short.
-    None is the device's default kernel."""
-    from common.varlen_attention import NAME, default_attn_implementation
-
-    name = attn_implementation or default_attn_implementation()
-    return name.startswith("flash") or name == NAME
+    None is the default kernel, varlen_sdpa on every device."""
+    name = attn_implementation or PACKED
+    return name.startswith("flash") or name == PACKED
 
 
 def collate(samples, pad_token_id, packing=True, max_tokens=None, one_row=False, share_prefixes=False):
@@ -50,7 +50,7 @@ def collate(samples, pad_token_id, packing=True, max_tokens=None, one_row=False,
     sample per row with an attention mask. Either way `sample_index` maps each token to its
     sample (-1 on padding) and `spans[i] = (row, start, length)` locates sample i.
 
-    share_prefixes (one row; for common.varlen_attention's kernel, which reads branches from the
+    share_prefixes (one row; for common.kernels.varlen_attention's kernel, which reads branches from the
     positions): a sample with `prefix_of` j and `prefix_len` s, whose first s tokens are sample j's, is
     laid out right after sample j without them, its positions starting at s (a branch). Its span holds
     its own tokens only, and `branch_starts` lists (row, token, source) where the logits predicting a

@@ -2,7 +2,7 @@
 share one packed row, each keeps a contiguous slice of its tokens, and attention all-gathers keys / values over
 the ring: ring-flash-attn 0.1.8's `llama3_flash_attn_varlen_func`, registered with transformers under NAME (no
 "flash" in it: transformers treats such names as flash-attention builds). On CUDA it runs over flash-attn when
-installed, else over torch's own flash kernels (bf16 / fp16); on CPU over common.varlen_attention's kernels;
+installed, else over torch's own flash kernels (bf16 / fp16); on CPU over common.kernels.varlen_attention's kernels;
 both stand-ins are shown to ring-flash-attn as flash_attn only while it imports.
 
 `ring_token_logps` pads a one-row micro-batch to a multiple of the ring size, forwards this rank's slice with its
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from common.packing import per_sample_sum, token_logps
-from common.varlen_attention import cu_seqlens_from_position_ids, varlen_attention_forward, varlen_backward
-from common.varlen_attention import varlen_forward
+from common.kernels.varlen_attention import cu_seqlens_from_position_ids, varlen_attention_forward, varlen_backward
+from common.kernels.varlen_attention import varlen_forward
 
 NAME = "ring_attention"
 
@@ -40,9 +40,9 @@ class RingArgs:
 
 
 def ring_deepspeed_config(train, world_size, ring, **kwargs):
-    """common.engine.deepspeed_config for rings: DeepSpeed counts every rank as data-parallel, so it gets
+    """common.infra.engine.deepspeed_config for rings: DeepSpeed counts every rank as data-parallel, so it gets
     --train_batch_size x ring size, and the accumulation steps come from the data-parallel size."""
-    from common.engine import deepspeed_config
+    from common.infra.engine import deepspeed_config
 
     size = ring.size if ring else 1
     return deepspeed_config(dataclasses.replace(train, train_batch_size=train.train_batch_size * size), world_size,
@@ -75,7 +75,7 @@ def validate_ring_args(ring: RingArgs, world_size, model=None, data=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# ring-flash-attn over flash-attn's kernels (CUDA) or common.varlen_attention's (CPU)
+# ring-flash-attn over flash-attn's kernels (CUDA) or common.kernels.varlen_attention's (CPU)
 # ----------------------------------------------------------------------------------------------
 def _unsupported(dropout_p, window_left, window_right, softcap, alibi_slopes):
     if dropout_p or (window_left, window_right) != (-1, -1) or softcap or alibi_slopes is not None:
@@ -148,7 +148,7 @@ def _no_dense_kernel(*args, **kwargs):
 def import_ring_flash_attn():
     """ring_flash_attn's `llama3_flash_attn_varlen_func` and `llama3_flash_attn_prepare_cu_seqlens`, imported
     over the real flash_attn when it imports, else over a stand-in (in sys.modules only during the import) whose
-    kernels are torch's own flash kernels for CUDA tensors and common.varlen_attention's for CPU tensors."""
+    kernels are torch's own flash kernels for CUDA tensors and common.kernels.varlen_attention's for CPU tensors."""
     import transformers.modeling_flash_attention_utils as mfa
     import transformers.modeling_utils  # noqa: F401  (transformers probes flash_attn before the stand-in exists)
 
@@ -249,7 +249,7 @@ def ring_attention_forward(module, query, key, value, attention_mask, scaling=No
                            sliding_window=None, softcap=None, ring_params=None, **kwargs):
     """transformers attention function. With `ring_params` (this rank's slice of a packed row, batch 1):
     query (1, heads, local len, dim) -> (1, local len, heads, dim) through the ring. Without: the whole
-    rows are here, and each sample attends within itself (common.varlen_attention's varlen_sdpa)."""
+    rows are here, and each sample attends within itself (common.kernels.varlen_attention's varlen_sdpa)."""
     if ring_params is None:  # varlen_sdpa: torch's flash kernels on CUDA, the CPU kernel on CPU
         return varlen_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                         position_ids=position_ids, sliding_window=sliding_window, softcap=softcap,
@@ -258,7 +258,7 @@ def ring_attention_forward(module, query, key, value, attention_mask, scaling=No
         raise ValueError("ring attention takes one packed row, full causal attention, no mask, softcap or dropout")
     ring_fn, _ = import_ring_flash_attn()
     if query.is_cuda:  # fp32 on CUDA: neither flash kernel takes it; refused here, at the first forward
-        from common.gpu import ring_kernel
+        from common.infra.gpu import ring_kernel
 
         ring_kernel("cuda", value.dtype, "flash_attn" in sys.modules)
     # under CPU autocast the rotary embedding hands back fp32 queries and keys beside bf16 values: attend in fp32
@@ -330,10 +330,10 @@ def ring_token_logps(model, batch, ring, return_argmax=False):
 
 
 def ring_sequence_rewards(model, batch, ring, value_head_prefix="score"):
-    """`common.reward.sequence_rewards` for a one-row batch split over `ring`: every rank's value-head outputs
+    """`common.infra.reward.sequence_rewards` for a one-row batch split over `ring`: every rank's value-head outputs
     are gathered over the ring (autograd), then read at each sample's own last token. With ring None,
-    common.reward.sequence_rewards itself."""
-    from common.reward import reward_index, sequence_rewards, unwrap
+    common.infra.reward.sequence_rewards itself."""
+    from common.infra.reward import reward_index, sequence_rewards, unwrap
 
     if ring is None:
         return sequence_rewards(model, batch, value_head_prefix)

@@ -20,13 +20,13 @@ import torch
 import tyro
 
 from common.data import BadRow, format_prompt, load_one, validate_prompt_args
-from common.engine import ModelArgs, free_port, init_distributed, set_seed, uses_bf16
-from common.gpu import check_colocation, check_weight_sync_model
+from common.infra.engine import ModelArgs, free_port, init_distributed, set_seed, uses_bf16
+from common.infra.gpu import check_colocation, check_weight_sync_model
 from common.episodes import Episode, episode_sample, load_env, run_episodes, validate_agent_args
 from common.packing import collate
-from common.roles import RoleFailed
-from common.tracking import LogArgs
-from common.vllm_engine import EngineArgs, SamplingArgs, resolve_max_model_len
+from common.infra.roles import RoleFailed
+from common.infra.tracking import LogArgs
+from common.infra.vllm_engine import EngineArgs, SamplingArgs, resolve_max_model_len
 
 
 @dataclass
@@ -64,7 +64,7 @@ class RLArgs:
     # -- rewards
     remote_rm_url: Optional[str] = None
     """Rule-based or remote reward: a .py file defining reward_func(queries, prompts, labels), or an HTTP URL
-    served by `python -m common.remote_reward`."""
+    served by `python launch/reward_server.py`."""
     remote_rm_token: Optional[str] = None
     """Bearer token for an HTTP --remote_rm_url (default: $MINRLHF_REWARD_TOKEN)."""
     reward_pretrain: Optional[str] = None
@@ -169,7 +169,7 @@ def validate_rollout_args(args, world, script):
         raise ValueError("no reward: give --remote_rm_url (a .py reward file or an HTTP URL), --reward_pretrain, "
                          "or an environment (--agent_func_path)")
     if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
-        from common.remote_reward import load_reward_func
+        from common.infra.remote_reward import load_reward_func
 
         # a missing file or function fails now, not after the models load
         load_reward_func(args.remote_rm_url, "--remote_rm_url")
@@ -199,7 +199,7 @@ def validate_rollout_args(args, world, script):
     if args.vllm_enable_sleep and not args.colocate_all_models:
         raise ValueError("--vllm_enable_sleep only helps with --colocate_all_models")
     check_colocation(args.colocate_all_models, args.engine.vllm_gpu_memory_utilization, args.engine.tp_size,
-                     torch.cuda.is_available())  # common.gpu: what a CUDA device cannot hold
+                     torch.cuda.is_available())  # common.infra.gpu: what a CUDA device cannot hold
     check_weight_sync_model(args.model.load_in_4bit, True, script)
     overlap = args.async_rollout
     if overlap.max_staleness < 0:
@@ -347,7 +347,7 @@ def weight_sync(args, rank, engines):
     the gathers)."""
     import ray
 
-    from common.weight_sync import WeightSync
+    from common.infra.weight_sync import WeightSync
 
     return WeightSync(engines if rank == 0 else [], colocated=args.colocate_all_models, tp_size=args.engine.tp_size,
                       host=ray.util.get_node_ip_address(), timeout_s=args.rendezvous_timeout,
@@ -357,7 +357,7 @@ def weight_sync(args, rank, engines):
 def start_engines(args, roles, cpus, gpus, at=None):
     """The --vllm_num_engines engine actors (each --vllm_tensor_parallel_size devices; colocated with `at`: engine
     i in trainer rank i x tp size's bundle), added to `roles`."""
-    from common.vllm_engine import create_vllm_actor, default_max_num_seqs
+    from common.infra.vllm_engine import create_vllm_actor, default_max_num_seqs
 
     # an engine holds at once every sample of its share of a rollout (or of an evaluation round)
     per_engine = math.ceil(args.rollout_batch_size / args.vllm_num_engines)
@@ -372,7 +372,7 @@ def start_engines(args, roles, cpus, gpus, at=None):
 
 def start_reward_models(args, roles, cpus, gpus, strategy=None):
     """The --reward_pretrain models in one actor (on `strategy`'s bundle when colocated), or None."""
-    from common.roles import actor_class
+    from common.infra.roles import actor_class
 
     if not args.reward_pretrain:
         return None
@@ -439,7 +439,7 @@ class RewardModels:
         self.tokenizer, self.normalize = AutoTokenizer.from_pretrained(paths[0]), normalize
 
     def score(self, texts):
-        from common.reward import score
+        from common.infra.reward import score
 
         return score(self.models, texts, self.tokenizer, normalize=self.normalize).tolist()
 
@@ -449,7 +449,7 @@ def reward_function(args):
     model starts; None without it."""
     if not args.remote_rm_url:
         return None
-    from common.remote_reward import make_reward_fn
+    from common.infra.remote_reward import make_reward_fn
 
     reward_fn = make_reward_fn(args.remote_rm_url, token=args.remote_rm_token, flag="--remote_rm_url")
     reward_fn([], [], [])

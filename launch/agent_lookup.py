@@ -1,4 +1,4 @@
-"""Environment of the built-in multi-turn task (common/tiny.py writes its prompts in data/lookup/): the prompt
+"""Environment of the built-in multi-turn task (launch/tiny.py writes its prompts in data/lookup/): the prompt
 names a box and nothing else; the model's first turn is its lookup (any text), the environment answers with the
 box's letters ("reverse: c a d"), and the model must answer them reversed ("d a c": reward 1). A wrong answer gets
 one more try (reward 0.5), then the episode ends.

@@ -12,7 +12,7 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
 PY=.venv/bin/python
 DATA=assets/data/reverse
 echo "== before training"
-$PY -m common.tiny --report assets/llama-0.5m $DATA/sft_test.jsonl 2>/dev/null
+$PY -m launch.tiny --report assets/llama-0.5m $DATA/sft_test.jsonl 2>/dev/null
 echo "== SFT (torchrun, 2 ranks, one epoch)"
 $PY -m torch.distributed.run --standalone --nproc_per_node 2 algos/sft.py \
   --pretrain assets/llama-0.5m --dataset $DATA/sft_train.jsonl --eval_dataset $DATA/sft_test.jsonl \
@@ -20,7 +20,7 @@ $PY -m torch.distributed.run --standalone --nproc_per_node 2 algos/sft.py \
   --train_batch_size 16 --micro_train_batch_size 8 --max_epochs 1 --learning_rate 3e-3 \
   --zero_stage 2 --save_path outputs/demo_sft --use_tensorboard outputs/demo_tb 2>&1 | grep -E "^step|^saved|error" || true
 echo "== after SFT"
-$PY -m common.tiny --report outputs/demo_sft $DATA/sft_test.jsonl 2>/dev/null
+$PY -m launch.tiny --report outputs/demo_sft $DATA/sft_test.jsonl 2>/dev/null
 mkdir -p outputs && rm -f outputs/demo_grpo_metrics.jsonl
 echo "== GRPO from the SFT checkpoint (Ray: 2 trainer ranks + 1 vLLM engine; exact-match reward file)"
 $PY algos/grpo.py --pretrain outputs/demo_sft --prompt_data $DATA/rl_train.jsonl --eval_dataset $DATA/rl_test.jsonl \
@@ -32,4 +32,4 @@ $PY algos/grpo.py --pretrain outputs/demo_sft --prompt_data $DATA/rl_train.jsonl
   --save_path outputs/demo_grpo --metrics_file outputs/demo_grpo_metrics.jsonl 2>outputs/demo_grpo.log \
   | grep -E "^step [0-9]+:|^saved" || { tail -20 outputs/demo_grpo.log; exit 1; }
 echo "== after GRPO"
-$PY -m common.tiny --report outputs/demo_grpo $DATA/sft_test.jsonl 2>/dev/null
+$PY -m launch.tiny --report outputs/demo_grpo $DATA/sft_test.jsonl 2>/dev/null

@@ -6,7 +6,7 @@
 # e.g. a flash-attn test without flash_attn, is a failure). Extra arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python -m common.tiny --out assets >/dev/null 2>&1 || { echo "FAIL: building the tiny assets"; exit 1; }
+python -m launch.tiny --out assets >/dev/null 2>&1 || { echo "FAIL: building the tiny assets"; exit 1; }
 export TOKENIZERS_PARALLELISM=false
 mapfile -t ignore < <(python tests/scripts/gpu_test_modules.py)
 log=$(mktemp)

@@ -15,5 +15,5 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true
   echo "$want" > "$stamp"
 fi
-.venv/bin/python -m common.tiny --out assets >/dev/null 2>&1
+.venv/bin/python -m launch.tiny --out assets >/dev/null 2>&1
 echo "setup done: .venv ($(.venv/bin/python -c 'import torch, deepspeed, vllm; print("torch", torch.__version__, "deepspeed", deepspeed.__version__, "vllm", vllm.__version__)' 2>/dev/null | tail -n 1)), assets/"

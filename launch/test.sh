@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh
-.venv/bin/ruff check algos common tests benchmarks
+.venv/bin/ruff check algos common tests benchmarks launch
 export TOKENIZERS_PARALLELISM=false
 # DeepSpeed JIT-builds C++ ops (shm comm, CPU Adam) for this venv's torch: a cache of this checkout's
 # own, so another checkout's venv never rebuilds them under a running job

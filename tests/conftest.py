@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
     """Tiny models (llama-0.5m, qwen2-0.5m) and synthetic data, built deterministically offline."""
-    from common.tiny import build_assets
+    from launch.tiny import build_assets
 
     return build_assets(str(tmp_path_factory.mktemp("assets")), models=("llama-0.5m", "qwen2-0.5m"))
 

@@ -1,7 +1,7 @@
 """algos/grpo.py --agent_func_path (common/episodes.py): episodes token in / token out (segments concatenate to
 what the engine saw, masks and log-probs line up token by token, a chat template that rewrites history forks or
 rejects), advantages that the environment's tokens cannot change, bad environment files, and a multi-turn learning
-run on the built-in task (common/tiny.py data/lookup, launch/agent_lookup.py)."""
+run on the built-in task (launch/tiny.py data/lookup, launch/agent_lookup.py)."""
 
 import dataclasses
 import os
@@ -28,13 +28,13 @@ def agent_args(assets, *extra):
 
 
 class RecordingHF:
-    """The Hugging Face backend (common.vllm_engine.HFGenerator, the real model), keeping every token list it was
+    """The Hugging Face backend (common.infra.vllm_engine.HFGenerator, the real model), keeping every token list it was
     given and every sample it returned, as run_episodes' generate_fn."""
 
     def __init__(self, model_path):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from common.vllm_engine import HFGenerator
+        from common.infra.vllm_engine import HFGenerator
 
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(model_path)

@@ -12,6 +12,8 @@ import pytest
 
 from conftest import ROOT, load_algo
 
+COMMON = glob.glob(os.path.join(ROOT, "common", "**", "*.py"), recursive=True)
+
 SCRIPTS = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "algos", "*.py")))
 
 
@@ -41,7 +43,7 @@ def attributes_read(paths):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_field_of_args_is_read(script):
     module = load_algo(script)
-    sources = [os.path.join(ROOT, "algos", f"{script}.py"), *glob.glob(os.path.join(ROOT, "common", "*.py"))]
+    sources = [os.path.join(ROOT, "algos", f"{script}.py"), *COMMON]
     read = attributes_read(sources)
     unread = [path for path, name in flags(module.Args) if name not in read]
     assert not unread, f"{script}.py: fields parsed but never read: {unread}"
@@ -56,5 +58,5 @@ def test_the_check_sees_an_unread_field():
 
     fields = dict(flags(Forked))
     assert "train.learning_rate" in fields and len(fields) > 10
-    read = attributes_read([os.path.join(ROOT, "algos", "sft.py"), *glob.glob(os.path.join(ROOT, "common", "*.py"))])
+    read = attributes_read([os.path.join(ROOT, "algos", "sft.py"), *COMMON])
     assert [p for p, name in fields.items() if name not in read] == ["zz_parsed_then_ignored"]

@@ -93,7 +93,7 @@ def test_a_wait_past_its_timeout_names_the_role():
 
     import ray
 
-    from common.roles import RoleFailed, Roles, actor_class
+    from common.infra.roles import RoleFailed, Roles, actor_class
 
     ray.init(num_cpus=1, include_dashboard=False,  # the actor's class is this module's
              runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}:{os.path.join(ROOT, 'tests')}"}})

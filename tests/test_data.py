@@ -37,7 +37,7 @@ def isolated_datasets_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tok():
-    from common.tiny import build_tokenizer
+    from launch.tiny import build_tokenizer
 
     return build_tokenizer()
 

@@ -155,7 +155,7 @@ def teacher(assets, tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from common.packing import collate, token_logps
-    from common.tiny import build_assets
+    from launch.tiny import build_assets
 
     build_assets(assets, models=("llama-10m",))
     sft = load_algo("sft")
@@ -271,7 +271,7 @@ def test_different_tokenizers_and_top_k_too_large(assets, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from common.tiny import build_model
+    from launch.tiny import build_model
 
     # another byte-level BPE: other special tokens first, merges learnt from other text
     tok = Tokenizer(models.BPE())

@@ -28,7 +28,7 @@ NARRATION = [
 
 ALL_SCRIPTS = ["sft", "rm", "dpo", "kto", "distill", "generate", "grpo", "ppo"]
 TRAINING_SCRIPTS = [s for s in ALL_SCRIPTS if s != "generate"]
-SERVER = "common.remote_reward"  # the reward server's CLI (its ServeArgs)
+SERVER = "launch/reward_server.py"  # the reward server's CLI (its ServeArgs)
 # which scripts' flags a page may name in its prose
 PAGE_SCRIPTS = {
     "README.md": ALL_SCRIPTS,
@@ -186,7 +186,7 @@ def dataclass_flags(cls):
 
 @pytest.fixture(scope="module")
 def flags():
-    from common.remote_reward import ServeArgs
+    from launch.reward_server import ServeArgs
 
     table = {script: dataclass_flags(load_algo(script).Args) for script in ALL_SCRIPTS}
     table[SERVER] = dataclass_flags(ServeArgs)
@@ -218,9 +218,9 @@ def printed_help(parse, monkeypatch, capsys):
 @pytest.mark.parametrize("module", ALL_SCRIPTS + [SERVER])
 def test_the_flags_checked_are_those_of_the_help(module, flags, monkeypatch, capsys):
     """The table the page checks use equals the option column `--help` prints."""
-    from common import remote_reward
+    from launch import reward_server
 
-    parse = remote_reward.main if module == SERVER else load_algo(module).parse_args
+    parse = reward_server.main if module == SERVER else load_algo(module).parse_args
     printed = help_flags(printed_help(parse, monkeypatch, capsys))
     assert printed == flags[module], f"{module}: in --help only {printed - flags[module]}, in Args only " \
                                      f"{flags[module] - printed}: update dataclass_flags in tests/test_docs.py"
@@ -274,7 +274,7 @@ def page_flag_problems(page, flags):
             named += named_flags(INLINE_CODE.sub(" ", line), page_scripts)
         for flag, scripts in named:
             if not check_flag(flag, scripts, flags):
-                where = ", ".join("python -m common.remote_reward" if s == SERVER else f"algos/{s}.py" for s in scripts)
+                where = ", ".join("python launch/reward_server.py" if s == SERVER else f"algos/{s}.py" for s in scripts)
                 problems.append(f"{rel_page}:{start}: {flag} is not a flag of {where}: fix the name (see --help), "
                                 f"or say which script it belongs to")
     return problems

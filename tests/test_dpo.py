@@ -141,7 +141,7 @@ def test_dpo_learns_and_exports(assets, sft_model, tmp_path, mode):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from common.packing import collate, token_logps
-    from common.tiny import exact_match
+    from launch.tiny import exact_match
 
     data = f"{assets}/data/reverse"
     out, metrics_file = tmp_path / "model", tmp_path / "metrics.jsonl"

@@ -1,4 +1,4 @@
-"""The CUDA decisions of common/gpu.py, pinned on CPU: the attention implementation and packed-row kernel per
+"""The CUDA decisions of common/infra/gpu.py, pinned on CPU: the attention implementation and packed-row kernel per
 (device, dtype, installed kernels, request), torch varlen_attn's arguments across its versions, the optimizer
 (no DeepSpeed JIT build on CUDA unless ZeRO-3 offload_states needs it), the IPC engine's environment, the
 colocated engine's memory share and placement, QLoRA + weight sync; and what of the CUDA paths runs on CPU:
@@ -10,7 +10,7 @@ import inspect
 import pytest
 import torch
 
-from common.gpu import (
+from common.infra.gpu import (
     attention_implementation, check_colocation, check_weight_sync_model, colocated_memory_share, engine_environment,
     optimizer_kind, packed_kernel, ring_kernel, torch_varlen_kwargs,
 )
@@ -89,7 +89,7 @@ def test_ipc_environment_only_for_the_ipc_backend():
 def test_create_vllm_engine_sets_the_environment_before_the_engine():
     """The variable goes into os.environ before vllm.LLM(...) in create_vllm_engine (the engine-core process
     inherits the environment it starts with)."""
-    from common.vllm_engine import create_vllm_engine
+    from common.infra.vllm_engine import create_vllm_engine
 
     source = inspect.getsource(create_vllm_engine)
     assert 0 < source.index("engine_environment(weight_transfer_backend(colocated))") < source.index("LLM(\n")
@@ -119,7 +119,7 @@ def test_weight_bytes_of_the_tiny_models(assets, name):
     """The bf16 weight bytes estimated from the config equal the model's parameters x 2."""
     from transformers import AutoModelForCausalLM
 
-    from common.vllm_engine import weight_bytes
+    from common.infra.vllm_engine import weight_bytes
 
     model = AutoModelForCausalLM.from_pretrained(f"{assets}/{name}")
     assert weight_bytes(f"{assets}/{name}") == 2 * sum(p.numel() for p in model.parameters())
@@ -146,7 +146,7 @@ def test_qlora_refused_by_grpo_before_any_model_loads(assets):
 
 
 def test_flash_attention_refused_on_cpu_before_any_model_loads():
-    from common.engine import CkptArgs, ModelArgs, TrainArgs, validate_common_args
+    from common.infra.engine import CkptArgs, ModelArgs, TrainArgs, validate_common_args
 
     with pytest.raises(ValueError, match="--attn_implementation flash_attention_2 runs on CUDA only"):
         validate_common_args(ModelArgs(pretrain="x", attn_implementation="flash_attention_2"), TrainArgs(),
@@ -162,7 +162,7 @@ POSITIONS = [list(range(5)) + list(range(3)) + list(range(7)) + list(range(2, 6)
 def test_grouped_sdpa_equals_the_cpu_kernel():
     """grouped_sdpa (the packed-row kernel of fp32 on CUDA) gives the CPU kernel's output and gradients on a row
     with samples, a shared-prefix branch and grouped KV heads."""
-    from common.varlen_attention import _BlockAttention, _VarlenAttention, _groups, batch_plan, grouped_sdpa
+    from common.kernels.varlen_attention import _BlockAttention, _VarlenAttention, _groups, batch_plan, grouped_sdpa
 
     torch.manual_seed(0)
     position_ids = torch.tensor(POSITIONS)
@@ -185,7 +185,7 @@ def test_grouped_sdpa_equals_the_cpu_kernel():
 def test_varlen_plan_holds_flash_arguments_once_per_batch():
     """VarlenPlan: int32 cu_seqlens (keys longer where a branch reuses its root's prefix), max lengths, key index;
     one plan per position_ids tensor."""
-    from common.varlen_attention import VarlenPlan, _plan_for
+    from common.kernels.varlen_attention import VarlenPlan, _plan_for
 
     position_ids = torch.tensor(POSITIONS)
     plan = VarlenPlan(position_ids)

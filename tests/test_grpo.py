@@ -103,7 +103,7 @@ def test_masked_samples_set_no_baseline_and_no_whitening():
 
 def test_dynamic_filtering_judges_a_group_by_its_unmasked_samples():
     from common.rl import carries_loss, no_signal
-    from common.vllm_engine import Sample
+    from common.infra.vllm_engine import Sample
 
     assert no_signal(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([True, True, True, False]))
     assert not no_signal(torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([True, True, True, False]))
@@ -238,7 +238,7 @@ def test_shared_prompt_batch_equals_whole_samples(assets):
     (1e-5, fp32), and the log-probs the trainer hands back per response token are the same."""
     from transformers import AutoModelForCausalLM
 
-    from common.varlen_attention import NAME
+    from common.kernels.varlen_attention import NAME
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m", dtype=torch.float32, attn_implementation=NAME)
@@ -327,7 +327,8 @@ ESTIMATOR_RUNS = {
 def test_estimators_raise_reward(assets, rl_start_model, tmp_path, name):
     extra, reward, server = list(ESTIMATOR_RUNS[name]), REWARD, None
     if "http_reward" in name:  # the reward served over loopback with a token, as a remote verifier would be
-        from common.remote_reward import make_reward_fn, serve_rewards
+        from common.infra.remote_reward import make_reward_fn
+        from launch.reward_server import serve_rewards
 
         server = serve_rewards(make_reward_fn(REWARD), token="secret-token")
         reward, extra = server.url, extra + ["--remote_rm_token", "secret-token"]
@@ -346,7 +347,7 @@ def test_estimators_raise_reward(assets, rl_start_model, tmp_path, name):
         assert "dtype=torch.bfloat16" in proc.stdout + proc.stderr
     from transformers import AutoModelForCausalLM
 
-    from common.weight_sync import HFWeightSource
+    from common.infra.weight_sync import HFWeightSource
 
     weights = sum(math.prod(m.shape) for m in HFWeightSource(AutoModelForCausalLM.from_pretrained(rl_start_model))
                   .metadata())

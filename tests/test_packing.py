@@ -107,11 +107,12 @@ def test_collate_lays_out_shared_prefix_branches():
 def test_shared_prefix_branches_equal_separate_samples(assets, name, plan, monkeypatch):
     """DPO's layout: each rejected response as a branch of its chosen sample's prompt gives the per-token
     log-probs, per-sample sums, argmax hits and gradients of the two samples laid out whole (fp32), by
-    either plan of the CPU kernel (common.varlen_attention: one masked call over blocks, or per-length groups)."""
+    either plan of the CPU kernel (common.kernels.varlen_attention: one masked call over blocks, or per-length
+    groups)."""
     from transformers import AutoModelForCausalLM
 
-    from common import varlen_attention
-    from common.varlen_attention import NAME  # registers varlen_sdpa
+    from common.kernels import varlen_attention
+    from common.kernels.varlen_attention import NAME  # registers varlen_sdpa
 
     monkeypatch.setattr(varlen_attention, "CALL_COST_IN_SCORES", 1e15 if plan == "blocks" else 0.0)
 

@@ -1,4 +1,4 @@
-"""common/remote_reward.py over real loopback HTTP: bearer-token auth, retries of a failing server,
+"""common/infra/remote_reward.py over real loopback HTTP: bearer-token auth, retries of a failing server,
 checked replies, reward-file errors that name the failing sample, the server CLI serving a reward
 model, and generate.py scoring through a reward server exactly as through the file."""
 
@@ -17,9 +17,11 @@ import pytest
 import torch
 from conftest import ROOT, read_jsonl, run_script
 
-from common.remote_reward import load_reward_func, make_reward_fn, serve_rewards
+from common.infra.remote_reward import load_reward_func, make_reward_fn
+from launch.reward_server import serve_rewards
 
 EXACT_MATCH = os.path.join(ROOT, "launch", "rewards", "exact_match.py")
+SERVER = os.path.join(ROOT, "launch", "reward_server.py")
 PROMPTS = ["reverse: a b\n", "reverse: c d\n", "reverse: e f\n"]
 QUERIES = [p + r for p, r in zip(PROMPTS, ["b a", "d d", "f e"])]
 LABELS = ["b a", "d c", "f e"]
@@ -195,7 +197,7 @@ def test_reward_file_without_reward_func(tmp_path):
 def test_cli_serves_a_reward_model(assets, tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from common.reward import score
+    from common.infra.reward import score
 
     # an rm.py export is a sequence-classification model with the eval mean / std in its config
     rm_path = str(tmp_path / "rm")
@@ -206,8 +208,7 @@ def test_cli_serves_a_reward_model(assets, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(f"{assets}/llama-0.5m")
     tokenizer.save_pretrained(rm_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MINRLHF_REWARD_TOKEN": ""}
-    cmd = [sys.executable, "-m", "common.remote_reward", "--reward_pretrain", rm_path, "--normalize_reward", "--port",
-           "0"]
+    cmd = [sys.executable, SERVER, "--reward_pretrain", rm_path, "--normalize_reward", "--port", "0"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = proc.stdout.readline().split()[-1]
@@ -222,9 +223,8 @@ def test_cli_serves_a_reward_model(assets, tmp_path):
     assert torch.allclose(rewards, expected, atol=1e-5) and torch.allclose(rewards, (raw - 0.25) / 2.0, atol=1e-5)
     assert len(set(rewards.tolist())) == 3  # three texts, three different scores
 
-    bad = subprocess.run([sys.executable, "-m", "common.remote_reward", "--reward_func", EXACT_MATCH,
-                          "--reward_pretrain",
-                          rm_path], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run([sys.executable, SERVER, "--reward_func", EXACT_MATCH, "--reward_pretrain", rm_path], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "give exactly one of --reward_func and --reward_pretrain" in bad.stderr
 
 

@@ -1,5 +1,5 @@
 """common/ring_attention.py: a ring of 2 gloo ranks (torchrun, ring-flash-attn's llama3 varlen algorithm over
-common.varlen_attention's kernels) against one process with transformers' sdpa on the same packed rows:
+common.kernels.varlen_attention's kernels) against one process with transformers' sdpa on the same packed rows:
 per-token log-probs, per-sample sums, loss and gradients on Llama and Qwen2 (4 query / 2 KV heads),
 --ring_head_stride 1 and 2, with and without a pad token; a negative control without K/V exchange that
 fails the same bars; one DeepSpeed ZeRO-2 / ZeRO-3 SGD step against one process; sft.py, dpo.py and the
@@ -98,7 +98,7 @@ def test_ring_flash_attn_imports_over_the_cpu_kernels_only_while_it_imports():
 def test_bad_ring_arguments_fail_naming_the_flag():
     from types import SimpleNamespace
 
-    from common.engine import ModelArgs
+    from common.infra.engine import ModelArgs
 
     data = SimpleNamespace(packing_samples=True, pack_max_tokens=0)  # the two fields read from DataArgs
     with pytest.raises(ValueError, match="--ring_attn_size 3 must divide the world size 4"):
@@ -279,7 +279,7 @@ def test_cpu_kernels_in_flash_attn_contract_run_bf16_on_the_ring_splits():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn's varlen kernels need CUDA")
 def test_cpu_kernels_match_flash_attn_on_the_ring_splits():
-    """The CPU stand-in (common.varlen_attention's kernels in flash-attn's contract) against flash-attn's own
+    """The CPU stand-in (common.kernels.varlen_attention's kernels in flash-attn's contract) against flash-attn's own
     `_flash_attn_varlen_forward/_backward` on the llama3 splits of both ranks, bf16, GQA 8 / 2 heads: out, lse,
     dq, dk, dv within bf16 tolerance (2e-2 of each tensor's largest value)."""
     fa = pytest.importorskip("flash_attn.flash_attn_interface")

@@ -1,5 +1,5 @@
 """algos/rm.py through its real CLI (pairwise RM under ZeRO-2 / ZeRO-3, PRM), its losses against
-hand-computed values, packed = padded rewards, the Hugging Face export, common/reward.py scoring
+hand-computed values, packed = padded rewards, the Hugging Face export, common/infra/reward.py scoring
 (plain model and ZeRO-3 eval engine), bad input and argument errors.
 
 Run as a script (`torchrun ... tests/test_rm.py MODEL OUT`) this file is the ZeRO-3 scoring worker."""
@@ -16,7 +16,7 @@ from conftest import ROOT, load_algo, read_jsonl, run_script
 
 from common.data import BadRow, DataArgs, prepare_dataset
 from common.packing import collate
-from common.reward import reward_index, score, sequence_rewards
+from common.infra.reward import reward_index, score, sequence_rewards
 
 PAIR = ["--prompt_key", "prompt", "--apply_chat_template", "--max_len", "64"]
 PRM = ["--prm", "--prompt_key", "prompt", "--input_key", "response", "--placeholder_token", ";",
@@ -157,7 +157,7 @@ def test_packed_rewards_equal_padded_and_hf(assets, rm_start):
     # rm.py's layout with the CPU kernel: each rejected sequence a branch of its chosen one's shared prompt
     import datasets
 
-    from common.varlen_attention import NAME
+    from common.kernels.varlen_attention import NAME
 
     varlen = AutoModelForSequenceClassification.from_pretrained(rm_start, attn_implementation=NAME).eval()
     (pair_samples,) = load_algo("rm").micro_batches_of(datasets.Dataset.from_list(pairs), range(16), 16, pair_args())
@@ -232,7 +232,7 @@ def test_pairwise_rm_learns_and_exports(assets, sft_model, tmp_path, zero_stage)
     assert abs(chosen.mean().item() - final["eval/chosen_reward"]) <= 1e-4
     assert abs(rejected.mean().item() - final["eval/rejected_reward"]) <= 1e-4
     assert abs((chosen - rejected).mean().item() - final["eval/margin"]) <= 1e-4
-    # common.reward.score (packed) gives the same per-sample rewards, and normalises with the stored statistics
+    # common.infra.reward.score (packed) gives the same per-sample rewards, and normalises with the stored statistics
     seqs = [p["chosen_ids"] for p in pairs[:20]]
     assert (score(model, seqs, batch_size=8) - chosen[:20]).abs().max().item() <= 1e-4
     expected = (chosen[:20] - config.mean) / config.std
@@ -319,7 +319,7 @@ def test_prm_learns_and_exports(assets, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# common.reward.score on a ZeRO-3 eval engine, two ranks with uneven work
+# common.infra.reward.score on a ZeRO-3 eval engine, two ranks with uneven work
 # ----------------------------------------------------------------------------------------------
 ZERO3_SEQS = [[11, 12, 13, 14, 1], [21, 22, 1], [31, 32, 33, 34, 35, 36, 1], [41, 42, 43, 1], [51, 1], [61, 62, 63, 1],
               [71, 72, 73, 74, 75, 1]]
@@ -331,7 +331,7 @@ def zero3_score_worker(model_dir, out_file):
     import torch.distributed as dist
     from transformers import AutoModelForSequenceClassification
 
-    from common.engine import (
+    from common.infra.engine import (
         ModelArgs, TrainArgs, create_eval_engine, deepspeed_eval_config, init_distributed, load_causal_lm,
     )
 

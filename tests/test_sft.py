@@ -14,7 +14,7 @@ from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script, r
 
 from common.data import DataArgs
 from common.packing import collate, token_logps
-from common.varlen_attention import NAME as VARLEN_ATTENTION
+from common.kernels.varlen_attention import NAME as VARLEN_ATTENTION
 
 TASK = ["--input_key", "prompt", "--output_key", "response", "--apply_chat_template", "--max_len", "64"]
 
@@ -28,7 +28,7 @@ def rows(path):
 def test_sft_learns_and_exports(assets, tmp_path, zero_stage, dtype):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from common.tiny import exact_match
+    from launch.tiny import exact_match
 
     data = f"{assets}/data/reverse"
     out, metrics_file, tb = tmp_path / "model", tmp_path / "metrics.jsonl", tmp_path / "tb"
@@ -85,7 +85,7 @@ def test_loss_normalisation_across_accumulation_and_ranks(assets, tmp_path):
     the token mean over all 8 samples, and the weights those of one plain (per-op) torch AdamW step (the
     engine runs the fused CPU kernel).  (Adam's first step is lr * sign(g) where |g| >> eps, so lr 1e-4
     keeps float-summation noise on near-zero gradients below 1e-5.)  micro8 and micro1x8, a world of one under
-    ZeRO-0, skip DeepSpeed's gradient all-reduce (common.engine.create_train_engine); ranks2 runs it."""
+    ZeRO-0, skip DeepSpeed's gradient all-reduce (common.infra.engine.create_train_engine); ranks2 runs it."""
     data = f"{assets}/data/reverse/sft_train.jsonl"
     common = ["--pretrain", f"{assets}/llama-0.5m", "--dataset", data, *TASK, "--max_samples", 8,
               "--train_batch_size", 8, "--learning_rate", 1e-4, "--max_norm", 0, "--seed", 1]
@@ -135,7 +135,7 @@ def test_loss_normalisation_across_accumulation_and_ranks(assets, tmp_path):
 def clipping_worker(model_dir, out_file):
     """Three optimizer steps of create_train_engine + optimizer_step under ZeRO-0 with --max_norm 0.05 (far
     below the gradient norm): each step's reported norm (before clipping) and the final weights."""
-    from common.engine import ModelArgs, TrainArgs, create_train_engine, deepspeed_config, init_distributed, \
+    from common.infra.engine import ModelArgs, TrainArgs, create_train_engine, deepspeed_config, init_distributed, \
         load_causal_lm, optimizer_step
 
     init_distributed()
@@ -402,7 +402,7 @@ def test_a_copied_script_sees_its_own_tokenize_edit(assets, tmp_path):
 
 
 def test_evaluation_schedule_is_one_rule():
-    from common.tracking import eval_due
+    from common.infra.tracking import eval_due
 
     due = lambda eval_steps: [s for s in range(1, 11) if eval_due(s, eval_steps, 4, 10)]  # noqa: E731
     assert due(-1) == [4, 8, 10]  # each epoch's end (4 steps an epoch) and the last step

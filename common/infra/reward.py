@@ -1,4 +1,6 @@
-"""Reward scoring shared by algos/rm.py (training and evaluation), RL and generation.
+"""Trust tier: read the faces, trust the body.
+
+Reward scoring shared by algos/rm.py (training and evaluation), RL and generation.
 
 A reward model is a Hugging Face `AutoModelForSequenceClassification` with `num_labels=1`; the
 reward of a sequence is its value-head output at the sequence's own last token (its EOS when it has one),
@@ -9,7 +11,7 @@ Batches may be packed (see common/packing.py): the value head is read at
 each sample's own last token rather than at the end of each row.
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
-    from common.reward import score
+    from common.infra.reward import score
 
     rm = AutoModelForSequenceClassification.from_pretrained("outputs/rm").eval()
     rewards = score(rm, texts, AutoTokenizer.from_pretrained("outputs/rm"), normalize=True)
@@ -73,8 +75,8 @@ def score(models, sequences, tokenizer=None, normalize=False, weights=None, batc
     """Score sequences with one or several reward models: one float per sequence (a float32 CPU tensor).
 
     models: a reward model or a list of them: `AutoModelForSequenceClassification` (num_labels=1) as
-        loaded by transformers, or inside a DeepSpeed engine (common.engine.create_eval_engine with
-        common.engine.deepspeed_eval_config: plain replica or ZeRO-3; under ZeRO-3 each rank scores
+        loaded by transformers, or inside a DeepSpeed engine (common.infra.engine.create_eval_engine with
+        common.infra.engine.deepspeed_eval_config: plain replica or ZeRO-3; under ZeRO-3 each rank scores
         its own sequences and the ranks' forward passes are kept in step). The models must share
         the tokenizer (the sequences are tokenized once).
     sequences: texts (tokenized with `tokenizer`, `add_special_tokens` as given: pass the exact text

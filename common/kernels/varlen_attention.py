@@ -1,4 +1,6 @@
-"""Causal attention per packed sample on CPU: a varlen kernel with flash-attention's contract, and the
+"""The CPU attention kernel, a dependency like flash-attn (tested on its own: tests/test_varlen_attention.py).
+
+Causal attention per packed sample on CPU: a varlen kernel with flash-attention's contract, and the
 transformers attention implementation (`varlen_sdpa`) that packed and padded batches use on CPU.
 
 A packed row holds several samples whose `position_ids` restart at 0. transformers' `sdpa` path builds
@@ -395,7 +397,7 @@ def torch_varlen_attention(q, k, v, plan, scale):
     aligns a shorter query block bottom-right, as flash-attention does."""
     from torch.nn.attention.varlen import varlen_attn
 
-    from common.gpu import torch_varlen_kwargs
+    from common.infra.gpu import torch_varlen_kwargs
 
     kwargs, repeat = torch_varlen_kwargs(_torch_varlen_parameters(), q.shape[1], k.shape[1])
     if plan.key_index is not None:
@@ -454,7 +456,7 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     k = key.transpose(1, 2).reshape(batch * length, key.shape[1], dim)
     v = value.transpose(1, 2).reshape(batch * length, value.shape[1], dim)
     scale = scaling if scaling is not None else dim**-0.5
-    from common.gpu import packed_kernel
+    from common.infra.gpu import packed_kernel
 
     kernel = packed_kernel(q.device.type, dtype, _TORCH_VARLEN)
     if kernel == "torch_varlen":
@@ -475,5 +477,5 @@ AttentionInterface.register(NAME, varlen_attention_forward)
 
 def default_attn_implementation():
     """varlen_sdpa on every device: it attends within each packed sample, with torch's flash kernels on CUDA in
-    bf16 / fp16, per-sample sdpa otherwise on CUDA, the fused CPU kernel on CPU (common.gpu.packed_kernel)."""
+    bf16 / fp16, per-sample sdpa otherwise on CUDA, the fused CPU kernel on CPU (common.infra.gpu.packed_kernel)."""
     return NAME

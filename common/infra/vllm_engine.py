@@ -1,6 +1,8 @@
-"""Rollout engines: vLLM engines (in-process or as Ray actors) and a Hugging Face `generate`
+"""Trust tier: read the faces, trust the body.
+
+Rollout engines: vLLM engines (in-process or as Ray actors) and a Hugging Face `generate`
 backend with the same call shape. Engines are created ready to receive weights through
-common.weight_sync (imported lazily: it imports vLLM).
+common.infra.weight_sync (imported lazily: it imports vLLM).
 
 On CPU an engine's KV cache is sized in bytes from what the run needs (`kv_cache_bytes`), not as
 vLLM's share of the NUMA node's memory (which machines of one kind report differently), and
@@ -216,15 +218,15 @@ def create_vllm_engine(model_path, args: EngineArgs, enable_sleep=False, colocat
     enable_sleep lets sleep_engine free its memory on CUDA; colocated: it shares the trainer's
     devices (picks the weight-transfer transport on CUDA; give WeightSync the same); max_num_seqs:
     the default of --vllm_max_num_seqs (the most sequences one generation call of the run holds);
-    bf16: the trainer computes in bf16 (common.engine.uses_bf16), so the engine does too (always on CUDA;
+    bf16: the trainer computes in bf16 (common.infra.engine.uses_bf16), so the engine does too (always on CUDA;
     on CPU fp32 otherwise, where trainer and engine log-probs then agree to ~1e-6).
     A failure to start raises EngineError carrying the root cause the engine printed."""
     from vllm import LLM
     from vllm.config import WeightTransferConfig
 
-    from common.weight_sync import weight_transfer_backend
+    from common.infra.weight_sync import weight_transfer_backend
 
-    from common.gpu import colocated_memory_share, engine_environment
+    from common.infra.gpu import colocated_memory_share, engine_environment
 
     cuda = torch.cuda.is_available()
     max_model_len = args.max_model_len or model_max_len(model_path)
@@ -253,7 +255,7 @@ def create_vllm_engine(model_path, args: EngineArgs, enable_sleep=False, colocat
             model=model_path, tensor_parallel_size=args.tp_size, dtype="bfloat16" if cuda or bf16 else "float32",
             max_model_len=max_model_len, max_num_seqs=seqs, **memory,
             enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager, seed=args.seed,
-            worker_extension_cls="common.weight_sync.WeightSyncWorker",
+            worker_extension_cls="common.infra.weight_sync.WeightSyncWorker",
             weight_transfer_config=WeightTransferConfig(backend=weight_transfer_backend(colocated)),
             enable_sleep_mode=enable_sleep and cuda,
         )
@@ -396,7 +398,7 @@ def create_vllm_actor(model_path, args: EngineArgs, num_cpus=1, num_gpus=0, enab
     """A Ray actor holding one vLLM engine (generate, sequence_logprobs, sleep, wake_up, ping, and
     llm_call for any vllm.LLM method); `options` go to Ray's .options() (e.g. a placement-group
     scheduling strategy); colocated, max_num_seqs and bf16 as for create_vllm_engine."""
-    from common.roles import actor_class
+    from common.infra.roles import actor_class
 
     class VLLMActor:
         def __init__(self, path, engine_args, enable_sleep, colocated, max_num_seqs, bf16):

@@ -1,4 +1,6 @@
-"""Device decisions, each a pure function of the facts it names (device, dtype, installed kernels, flags), so that
+"""Trust tier: read the faces, trust the body.
+
+Device decisions, each a pure function of the facts it names (device, dtype, installed kernels, flags), so that
 a CPU test pins what a CUDA run does: which attention kernel, which optimizer, what vLLM's engine process needs in
 its environment, which placements and memory shares a colocated engine is refused, and whether a model's weights
 can be synced into vLLM. The callers gather the facts (torch.cuda.is_available(), what imports) and raise the
@@ -6,7 +8,7 @@ ValueError these return or raise before any model loads."""
 
 import math
 
-PACKED = "varlen_sdpa"  # common.varlen_attention.NAME (not imported: that module imports transformers)
+PACKED = "varlen_sdpa"  # common.kernels.varlen_attention.NAME (not imported: that module imports transformers)
 FLASH = ("flash_attention_2", "flash_attention_3")
 HALF = ("bfloat16", "float16")
 
@@ -43,7 +45,7 @@ def packed_kernel(device_type, dtype, torch_varlen_available):
     """The kernel varlen_sdpa runs for packed rows: 'torch_varlen' (torch.nn.attention.varlen.varlen_attn, the
     flash kernels bundled with torch's CUDA build: bf16 / fp16 on CUDA), 'sdpa_groups' (per-sample
     scaled_dot_product_attention on any other device or dtype, fp32 on CUDA included) or 'cpu_fused' (the CPU
-    kernel of common.varlen_attention)."""
+    kernel of common.kernels.varlen_attention)."""
     if device_type == "cpu":
         return "cpu_fused"
     if device_type == "cuda" and dtype_name(dtype) in HALF and torch_varlen_available:
@@ -53,8 +55,8 @@ def packed_kernel(device_type, dtype, torch_varlen_available):
 
 def ring_kernel(device_type, dtype, flash_attn_installed):
     """What ring-flash-attn runs over: 'flash_attn' (installed, CUDA, bf16 / fp16), 'torch_flash' (torch's
-    aten flash ops, CUDA, bf16 / fp16) or 'cpu' (common.varlen_attention's kernels); ValueError for fp32 on CUDA,
-    which neither flash kernel takes."""
+    aten flash ops, CUDA, bf16 / fp16) or 'cpu' (common.kernels.varlen_attention's kernels); ValueError for fp32
+    on CUDA, which neither flash kernel takes."""
     if device_type == "cpu":
         return "cpu"
     if dtype_name(dtype) not in HALF:

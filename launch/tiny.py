@@ -4,7 +4,7 @@ and synthetic tasks with verifiable answers in every data format the algorithms 
 Everything is built locally and deterministically (fixed seeds), so tests, the demo and the
 benchmarks never touch a model hub.  Build them all with:
 
-    python -m common.tiny --out assets
+    python -m launch.tiny --out assets
 """
 
 import argparse

@@ -1,4 +1,6 @@
-"""Weight sync: push the trainer's current weights into vLLM engines through vLLM's own
+"""Trust tier: read the faces, trust the body.
+
+Weight sync: push the trainer's current weights into vLLM engines through vLLM's own
 weight-transfer API (`vllm.distributed.weight_transfer`), so the handshake and the reload follow
 vLLM across upgrades.
 
@@ -28,7 +30,7 @@ from vllm.distributed.weight_transfer import (
 )
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from common.engine import free_port
+from common.infra.engine import free_port
 
 GLOO_BACKEND = "minrlhf_gloo"
 DTYPES = {str(t).split(".")[-1]: t for t in (torch.float32, torch.bfloat16, torch.float16)}
@@ -86,7 +88,7 @@ class HFWeightSource(WeightSource):
                 layer = layer.base_layer
             params = dict(layer.named_parameters(recurse=False))
             packed = [n for n, p in params.items() if type(p).__name__ == "Params4bit"]
-            if packed:  # common.gpu.check_weight_sync_model refuses this before any model loads
+            if packed:  # common.infra.gpu.check_weight_sync_model refuses this before any model loads
                 raise ValueError(f"weight sync: {name}.{packed[0]} is a packed 4-bit (QLoRA) weight, which vLLM "
                                  "cannot load; train LoRA on a bf16 base (drop --load_in_4bit)")
             if params:

@@ -1,4 +1,6 @@
-"""DeepSpeed mechanism: distributed init, batch arithmetic, model loading (LoRA / QLoRA / ZeRO-3),
+"""Trust tier: read the faces, trust the body.
+
+DeepSpeed mechanism: distributed init, batch arithmetic, model loading (LoRA / QLoRA / ZeRO-3),
 engine creation, resumable checkpoints and Hugging Face export.
 
 Plain functions over three small option groups (ModelArgs, TrainArgs, CkptArgs) that every
@@ -160,7 +162,7 @@ def validate_common_args(model: ModelArgs, train: TrainArgs, ckpt: CkptArgs, wor
         raise ValueError(f"--max_ckpt_num must be >= 1, got {ckpt.max_ckpt_num}")
     accumulation_steps(train.train_batch_size, train.micro_train_batch_size, world_size)
     if model.attn_implementation is not None:  # flash-attn in fp32, or off CUDA, fails at the first forward
-        from common.gpu import attention_implementation
+        from common.infra.gpu import attention_implementation
 
         cuda = torch.cuda.is_available()
         attention_implementation("cuda" if cuda else "cpu", "bfloat16" if cuda and uses_bf16(train) else "float32",
@@ -372,8 +374,8 @@ def load_causal_lm(model_args: ModelArgs, ds_config=None, path=None, model_cls=N
     checkpointing as asked."""
     from transformers import AutoModelForCausalLM
 
-    import common.varlen_attention  # noqa: F401  (registers varlen_sdpa by name)
-    from common.gpu import attention_implementation
+    import common.kernels.varlen_attention  # noqa: F401  (registers varlen_sdpa by name)
+    from common.infra.gpu import attention_implementation
 
     model_cls = model_cls or AutoModelForCausalLM
     if ds_config is not None and ds_config["zero_optimization"]["stage"] == 3:
@@ -430,11 +432,11 @@ def load_causal_lm(model_args: ModelArgs, ds_config=None, path=None, model_cls=N
 def create_train_engine(model, train: TrainArgs, ds_config, num_training_steps, offload_states=False):
     """Wrap `model` in a DeepSpeed engine with AdamW (no decay on biases / norms) and a warmup schedule;
     offload_states: the engine's states will leave the device (engine.offload_states), which DeepSpeed does
-    under ZeRO-3 only with its own FusedAdam (common.gpu.optimizer_kind)."""
+    under ZeRO-3 only with its own FusedAdam (common.infra.gpu.optimizer_kind)."""
     import deepspeed
     from transformers import get_scheduler
 
-    from common.gpu import optimizer_kind
+    from common.infra.gpu import optimizer_kind
 
     decay, no_decay = [], []
     for name, p in model.named_parameters():

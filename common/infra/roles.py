@@ -1,4 +1,6 @@
-"""The Ray actors of a run, by role ("trainer rank 0", "vLLM engine 1", "reward models"), and
+"""Trust tier: read the faces, trust the body.
+
+The Ray actors of a run, by role ("trainer rank 0", "vLLM engine 1", "reward models"), and
 waits on them that end as soon as any of them dies or raises, naming it and the root cause.
 
 Why: a Ray driver that only calls `ray.get` on one actor's result never learns that another

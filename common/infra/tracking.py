@@ -1,4 +1,6 @@
-"""Logging: scalars under fixed namespaces (train/, eval/, perf/) to the console, TensorBoard and
+"""Trust tier: read the faces, trust the body.
+
+Logging: scalars under fixed namespaces (train/, eval/, perf/) to the console, TensorBoard and
 Weights & Biases (offline mode works: WANDB_MODE=offline); tqdm bars on rank 0 only."""
 
 import json

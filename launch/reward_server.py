@@ -1,0 +1,169 @@
+"""A reward server: a reward function file or rm.py reward models behind a URL, for --remote_rm_url.
+
+    python launch/reward_server.py --reward_func launch/rewards/exact_match.py --port 5000
+    python launch/reward_server.py --reward_pretrain outputs/rm --normalize_reward --port 5000
+
+Standard library only (plus torch for the rewards). Requests are POSTs of {"queries", "prompts", "labels"} with
+`Authorization: Bearer <token>`; the answer is {"rewards": [...]} (common/infra/remote_reward.py is the client).
+"""
+
+import json
+import os
+import secrets
+import socket
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common.infra.remote_reward import TOKEN_ENV, _file_reward_fn, check_rewards  # noqa: E402
+
+
+# ----------------------------------------------------------------------------------------------
+# HTTP server
+# ----------------------------------------------------------------------------------------------
+class RewardServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer answering reward requests; `.url`, `.shutdown()`."""
+
+    daemon_threads = True
+
+    def __init__(self, reward_fn, host, port, token):
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        super().__init__((host, port), _RewardHandler)
+        self.reward_fn, self.token = reward_fn, token
+        self.lock = threading.Lock()  # models and user functions need not be thread-safe: one batch at a time
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+
+    @property
+    def url(self):
+        host, port = self.server_address[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def shutdown(self):
+        super().shutdown()
+        self.server_close()
+
+
+class _RewardHandler(BaseHTTPRequestHandler):
+    def do_POST(self):
+        server = self.server
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            return self._reply(400, {"error": "bad Content-Length"})
+        given = self.headers.get("Authorization", "")
+        if server.token and not secrets.compare_digest(given.encode(), f"Bearer {server.token}".encode()):
+            while length > 0:  # drain the body: closing on unread data resets the connection before the 401 arrives
+                chunk = self.rfile.read(min(length, 1 << 16))
+                length = length - len(chunk) if chunk else 0
+            return self._reply(401, {"error": "missing bearer token" if not given else "wrong bearer token"})
+        try:
+            request = json.loads(self.rfile.read(length))
+            queries = request["queries"] if "queries" in request else request["query"]  # "query": OpenRLHF's clients
+            prompts, labels = request.get("prompts"), request.get("labels")
+            prompts = [None] * len(queries) if prompts is None else prompts
+            labels = [None] * len(queries) if labels is None else labels
+            if not (isinstance(queries, list) and isinstance(prompts, list) and isinstance(labels, list)
+                    and len(queries) == len(prompts) == len(labels)):
+                raise ValueError("queries, prompts and labels must be lists of equal length")
+        except (ValueError, KeyError, TypeError) as e:
+            return self._reply(400, {"error": f"bad request: {type(e).__name__}: {e}"})
+        if not queries:
+            return self._reply(200, {"rewards": []})
+        try:
+            with server.lock:
+                rewards = check_rewards(server.reward_fn(queries, prompts, labels), len(queries), "reward function")
+        except Exception as e:
+            traceback.print_exc()
+            return self._reply(500, {"error": f"{type(e).__name__}: {e}"})
+        self._reply(200, {"rewards": rewards.tolist()})
+
+    def _reply(self, code, payload):
+        body = json.dumps(payload).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        if code == 401:
+            self.send_header("WWW-Authenticate", "Bearer")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_request(self, code="-", size="-"):
+        if isinstance(code, int) and code >= 400:  # successes would flood the log at one line per batch
+            super().log_request(code, size)
+
+
+def serve_rewards(reward_fn, host="127.0.0.1", port=0, token=None, allow_no_auth=False):
+    """Serve `reward_fn(queries, prompts, labels)` over HTTP from a daemon thread; returns the started
+    RewardServer (`.url`, `.shutdown()`). Requests without `Authorization: Bearer <token>` get 401,
+    malformed JSON 400, an error of reward_fn 500 with its message. port 0: any free port."""
+    if not token and not allow_no_auth:
+        raise ValueError("serve_rewards needs a token (or allow_no_auth=True to serve anyone who can connect)")
+    server = RewardServer(reward_fn, host, port, token)
+    server.thread.start()
+    return server
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class ServeArgs:
+    reward_func: Optional[str] = None
+    """A Python file defining reward_func(queries, prompts, labels) to serve."""
+    reward_pretrain: Optional[str] = None
+    """Comma list of reward models (rm.py exports) to serve, rewards summed; the tokenizer is the first's.
+    Queries are scored as sent: send the full text the model was trained on (chat template included)."""
+    normalize_reward: bool = False
+    """With --reward_pretrain: normalise each model's output with the mean/std rm.py stored in its config."""
+    host: str = "127.0.0.1"
+    """Address to bind (loopback by default; the traffic is plain HTTP, token included)."""
+    port: int = 5000
+    """Port to listen on (0: any free port)."""
+    token: Optional[str] = None
+    """Bearer token clients must send (default: $MINRLHF_REWARD_TOKEN, else a new random one, printed)."""
+
+
+def reward_fn_from_args(args: ServeArgs):
+    if (args.reward_func is None) == (args.reward_pretrain is None):
+        raise ValueError("give exactly one of --reward_func and --reward_pretrain")
+    if args.normalize_reward and not args.reward_pretrain:
+        raise ValueError("--normalize_reward applies to --reward_pretrain only")
+    if args.reward_func:
+        return _file_reward_fn(args.reward_func, "--reward_func")
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from common.infra.reward import score
+
+    paths = [p for p in args.reward_pretrain.split(",") if p]
+    models = [AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
+    tokenizer = AutoTokenizer.from_pretrained(paths[0])
+    return lambda queries, prompts, labels: score(models, queries, tokenizer, normalize=args.normalize_reward)
+
+
+def main(argv=None):
+    import tyro
+
+    args = tyro.cli(ServeArgs, args=argv, use_underscores=True, description=__doc__)
+    try:
+        reward_fn = reward_fn_from_args(args)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    token = args.token or os.environ.get(TOKEN_ENV)
+    server = serve_rewards(reward_fn, args.host, args.port, token=token or secrets.token_urlsafe(32))
+    print(f"serving rewards at {server.url}", flush=True)
+    if not token:
+        print(f"token: {server.token}  (clients: --remote_rm_token or {TOKEN_ENV})", flush=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: listening on {args.host} over plain HTTP: the token travels unencrypted", flush=True)
+    try:
+        server.thread.join()
+    except KeyboardInterrupt:
+        server.shutdown()
+
+
+if __name__ == "__main__":
+    main()
