@@ -25,7 +25,8 @@ import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.data import DataArgs, format_prompt, format_response, load_one, load_tokenizer, validate_prompt_args  # noqa: E402
+from common.data import DataArgs, format_prompt, format_response, validate_prompt_args# noqa: E402
+from common.infra.datasets import load_one, load_tokenizer# noqa: E402
 from common.infra.engine import finish, parse_cli  # noqa: E402
 from common.infra.remote_reward import make_reward_fn  # noqa: E402
 from common.infra.tracking import progress  # noqa: E402

@@ -29,7 +29,7 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common.data import DataArgs  # noqa: E402
+from common.data import DataArgs# noqa: E402
 from common.packing import collate, to_device  # noqa: E402
 
 

@@ -19,7 +19,9 @@ from typing import Annotated, Optional
 import torch
 import tyro
 
-from common.data import BadRow, format_prompt, load_one, validate_prompt_args
+from common.data import BadRow, format_prompt, validate_prompt_args
+
+from common.infra.datasets import load_one
 from common.infra.engine import ModelArgs, free_port, init_distributed, set_seed, uses_bf16
 from common.infra.gpu import check_colocation, check_weight_sync_model
 from common.episodes import Episode, episode_sample, load_env, run_episodes, validate_agent_args

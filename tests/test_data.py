@@ -13,7 +13,9 @@ import datasets
 import pytest
 from conftest import load_algo
 
-from common.data import BadRow, DataArgs, format_prompt, format_response, load_one, prepare_dataset, validate_data_args
+from common.data import BadRow, DataArgs, format_prompt, format_response, validate_data_args
+
+from common.infra.datasets import load_one, prepare_dataset
 
 sft = load_algo("sft")
 
@@ -232,7 +234,7 @@ def test_error_empty_file_says_empty(tmp_path, name, text):
 
 def test_rank0_first_in_a_world_of_one():
     """Without a process group, rank0_first is prepare() itself; its data error keeps its message."""
-    from common.data import rank0_first
+    from common.infra.datasets import rank0_first
 
     assert rank0_first(lambda: (1, None)) == (1, None)
 

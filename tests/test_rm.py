@@ -14,7 +14,9 @@ import pytest
 import torch
 from conftest import ROOT, load_algo, read_jsonl, run_script
 
-from common.data import BadRow, DataArgs, prepare_dataset
+from common.data import BadRow, DataArgs
+
+from common.infra.datasets import prepare_dataset
 from common.packing import collate
 from common.infra.reward import reward_index, score, sequence_rewards
 
