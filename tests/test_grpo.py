@@ -450,7 +450,8 @@ def test_argument_errors_and_reference_options(assets, capsys):
     with pytest.raises(ValueError, match=r"--max_model_len 4096 is more than .* \(max_position_embeddings 512\)"):
         grpo.parse_args([*required, "--max_model_len", "4096"])
     # the reference model is loaded as the policy is
-    parsed = grpo.parse_args([*required, "--init_kl_coef", "0.01", "--attn_implementation", "eager", "--lora_rank", "8"])
+    parsed = grpo.parse_args([*required, "--init_kl_coef", "0.01", "--attn_implementation", "eager",
+                              "--lora_rank", "8"])
     ref = grpo.reference_args(parsed)
     assert (ref.pretrain, ref.attn_implementation, ref.lora_rank) == (f"{assets}/llama-0.5m", "eager", 0)
     with pytest.raises(ValueError, match=r"--load_in_4bit \(QLoRA\) with grpo.py: the vLLM engines are fed"):
