@@ -57,7 +57,7 @@ from common.ring_attention import (  # noqa: E402
     validate_ring_args,
 )
 from common.infra.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
-from common.kernels.varlen_attention import NAME as VARLEN_ATTENTION  # noqa: E402
+from common.infra.gpu import PACKED as VARLEN_ATTENTION  # noqa: E402
 
 
 @dataclass

@@ -37,6 +37,7 @@ log-probs of the sampled tokens are checked against the trainer's every step
 (`check/vllm_logp_max_abs_diff`).
 """
 
+import contextlib
 import math
 import os
 import sys
@@ -49,7 +50,13 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common.infra.datasets import load_tokenizer# noqa: E402
+from common.infra.datasets import load_tokenizer  # noqa: E402
+from common.infra.cluster import (  # noqa: E402
+    environment, join_group, load_prompts, off_policy, reference_args, rendezvous_address, reward_function,
+    rollout_steps, start_engines, start_group, start_ray, start_reward_models, trainer_bundles, validate_rollout_args,
+    weight_sync,
+)
+from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.infra.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
     deepspeed_eval_config, device, finish, hold_ckpt_path, load_causal_lm, load_checkpoint,
@@ -61,15 +68,12 @@ from common.ring_attention import (  # noqa: E402
     RingArgs, check_ring_model, ring_deepspeed_config, ring_next_token_values, ring_token_logps, setup_ring,
     validate_ring_args,
 )
-from common.rl import (  # noqa: E402
-    AsyncArgs, RLArgs, RolloutEngineArgs, RolloutLogArgs, Rollouts, collect_rollout, environment, evaluate, join_group,
-    kl_to_reference, load_prompts, make_batch, model_tokens, off_policy, reference_args, rendezvous_address,
-    reward_function, rollout_metrics, rollout_samples, rollout_steps, split_steps, start_engines, start_group,
-    start_ray, start_reward_models, token_sample, trainer_bundles, validate_rollout_args, weight_sync,
+from common.rollout import (  # noqa: E402
+    AsyncArgs, RLArgs, RolloutEngineArgs, RolloutLogArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
+    model_tokens, rollout_metrics, rollout_samples, split_steps, token_sample,
 )
-from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.infra.tracking import MetricsLogger, eval_due, exit_with_error, progress  # noqa: E402
-from common.kernels.varlen_attention import NAME as VARLEN_ATTENTION  # noqa: E402
+from common.infra.gpu import PACKED as VARLEN_ATTENTION  # noqa: E402
 
 ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline")
 GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
@@ -91,7 +95,7 @@ class ActorTrainArgs(TrainArgs):
 
 
 @dataclass
-class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers share (common/rl.py)
+class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers share (common/rollout.py)
     model: ModelArgs = field(default_factory=ModelArgs)
     train: ActorTrainArgs = field(default_factory=ActorTrainArgs)
     engine: RolloutEngineArgs = field(default_factory=RolloutEngineArgs)
@@ -562,7 +566,11 @@ def main(args: Args):
         return collect_rollout(args, roles, engines, prompts, start, version, reward_fn, reward_models, tokenizer,
                                env_cls)
 
-    rollouts = Rollouts(args, collect, state["global_step"], total_steps, state["consumed_prompts"])
+    rollouts = None  # synchronous: each step's rollout is collected when the step asks for it
+    if off_policy(args):  # --async_train: a thread collects the next steps' rollouts while the trainer updates
+        from common.async_rollouts import Rollouts
+
+        rollouts = Rollouts(args, collect, state["global_step"], total_steps, state["consumed_prompts"])
     bar = progress(range(state["global_step"], total_steps), desc="grpo", initial=state["global_step"],
                    total=total_steps)
     for step in bar:
@@ -575,7 +583,7 @@ def main(args: Args):
 
         # 1-2. this step's prompts, n responses (episodes) each, rewards: collected now, or ahead in the rollout thread
         t0 = time.time()
-        rollout = rollouts.next(step)
+        rollout = rollouts.next(step) if rollouts else collect(state["consumed_prompts"], step)
         phase("rollout_wait", t0)
         state["consumed_prompts"] = rollout["end"]
         samples, raw_rewards = rollout_samples(rollout, args)
@@ -618,7 +626,7 @@ def main(args: Args):
         if args.vllm_enable_sleep:
             roles.get([e.wake_up.remote() for e in engines])
         t0 = time.time()
-        with rollouts.new_weights():
+        with rollouts.new_weights() if rollouts else contextlib.nullcontext():
             phase("rollout_wait", t0)
             t0 = time.time()
             sync = roles.get([t.sync_weights.remote() for t in trainers], timeout_s, "weight sync")[0]

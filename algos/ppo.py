@@ -29,6 +29,7 @@ trainer's every step.
 """
 
 import dataclasses
+import contextlib
 import math
 import os
 import sys
@@ -41,7 +42,13 @@ import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common.infra.datasets import load_one, load_tokenizer# noqa: E402
+from common.infra.datasets import load_one, load_tokenizer  # noqa: E402
+from common.infra.cluster import (  # noqa: E402
+    environment, join_group, load_prompts, off_policy, reference_args, rendezvous_address, reward_function,
+    rollout_steps, start_engines, start_group, start_ray, start_reward_models, trainer_bundles, validate_rollout_args,
+    weight_sync,
+)
+from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.infra.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
     deepspeed_eval_config, device, finish, hold_ckpt_path, load_causal_lm, load_checkpoint,
@@ -54,13 +61,10 @@ from common.ring_attention import (  # noqa: E402
     RingArgs, check_ring_model, ring_deepspeed_config, ring_forward, ring_next_token_values, ring_token_logps,
     setup_ring, validate_ring_args,
 )
-from common.rl import (  # noqa: E402
-    AsyncArgs, RLArgs, RolloutEngineArgs, RolloutLogArgs, Rollouts, collect_rollout, environment, evaluate, join_group,
-    kl_to_reference, load_prompts, make_batch, model_tokens, off_policy, prompt_at, reference_args, rendezvous_address,
-    reward_function, rollout_metrics, rollout_samples, rollout_steps, split_steps, start_engines, start_group,
-    start_ray, start_reward_models, trainer_bundles, validate_rollout_args, weight_sync,
+from common.rollout import (  # noqa: E402
+    AsyncArgs, RLArgs, RolloutEngineArgs, RolloutLogArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
+    model_tokens, prompt_at, rollout_metrics, rollout_samples, split_steps,
 )
-from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.infra.tracking import MetricsLogger, eval_due, exit_with_error, progress  # noqa: E402
 
 
@@ -80,7 +84,7 @@ class ActorTrainArgs(TrainArgs):
 
 
 @dataclass
-class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers share (common/rl.py)
+class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers share (common/rollout.py)
     model: ModelArgs = field(default_factory=ModelArgs)
     train: ActorTrainArgs = field(default_factory=ActorTrainArgs)
     engine: RolloutEngineArgs = field(default_factory=RolloutEngineArgs)
@@ -756,7 +760,11 @@ def main(args: Args):
         return collect_rollout(args, roles, engines, prompts, start, version, reward_fn, reward_models, tokenizer,
                                env_cls)
 
-    rollouts = Rollouts(args, collect, state["global_step"], total_steps, state["consumed_prompts"])
+    rollouts = None  # synchronous: each step's rollout is collected when the step asks for it
+    if off_policy(args):  # --async_train: a thread collects the next steps' rollouts while the trainer updates
+        from common.async_rollouts import Rollouts
+
+        rollouts = Rollouts(args, collect, state["global_step"], total_steps, state["consumed_prompts"])
     bar = progress(range(state["global_step"], total_steps), desc="ppo", initial=state["global_step"],
                    total=total_steps)
     for step in bar:
@@ -770,7 +778,7 @@ def main(args: Args):
 
         # 1-2. this step's prompts, n responses (episodes) each, rewards: collected now, or ahead in the rollout thread
         t0 = time.time()
-        rollout = rollouts.next(step)
+        rollout = rollouts.next(step) if rollouts else collect(state["consumed_prompts"], step)
         phase("rollout_wait", t0)
         state["consumed_prompts"] = rollout["end"]
         samples, raw_rewards = rollout_samples(rollout, args)
@@ -841,7 +849,7 @@ def main(args: Args):
         if args.vllm_enable_sleep:
             roles.get([e.wake_up.remote() for e in engines])
         t0 = time.time()
-        with rollouts.new_weights():
+        with rollouts.new_weights() if rollouts else contextlib.nullcontext():
             phase("rollout_wait", t0)
             t0 = time.time()
             sync = (roles.get([t.sync_weights.remote() for t in trainers], timeout_s, "weight sync")[0]

@@ -348,7 +348,7 @@ def test_episode_function_none_is_a_reject(assets, rl_start_model, tmp_path):
     train/episode_rejects; the others train."""
     from transformers import AutoTokenizer
 
-    from common.rl import rollout_metrics, rollout_samples
+    from common.rollout import rollout_metrics, rollout_samples
 
     path = write_episode_file(tmp_path, "odd_boxes", [
         "out, logps = generate(ids)",

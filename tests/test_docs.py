@@ -84,7 +84,7 @@ def narration_hits(lines):
 def test_the_narration_patterns_catch_what_they_should_and_leave_technical_uses():
     period = "sess" + "ion"
     caught = [f"measured in {period} 16", f"as {period.title()} 9 found", f"the last {period}'s figures",
-              "peri" + "od 3 of the work", "what " + "changed: engines", "after " + "the move to common/rl.py"]
+              "peri" + "od 3 of the work", "what " + "changed: engines", "after " + "the move to common/rollout.py"]
     fine = ['@pytest.fixture(scope="session")', "ray's session_latest/logs", "a session fixture",
             "periodic evaluation", "torchrun puts workers in sessions of their own"]
     assert [i for i, *_ in narration_hits(caught)] == list(range(1, len(caught) + 1))

@@ -102,7 +102,7 @@ def test_masked_samples_set_no_baseline_and_no_whitening():
 
 
 def test_dynamic_filtering_judges_a_group_by_its_unmasked_samples():
-    from common.rl import carries_loss, no_signal
+    from common.rollout import carries_loss, no_signal
     from common.infra.vllm_engine import Sample
 
     assert no_signal(torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([True, True, True, False]))

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from common.rl import token_sample
+from common.rollout import token_sample
 from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script
 
 ppo = load_algo("ppo")

@@ -1,4 +1,4 @@
-"""algos/ppo.py with --agent_func_path and --async_train (the shared common/rl.py and common/episodes.py code; real
+"""algos/ppo.py with --agent_func_path and --async_train (the shared common/rollout.py and common/episodes.py code; real
 Ray, vLLM, DeepSpeed on CPU: 2 actor ranks, 1 critic rank, 1 engine): a multi-turn run on the built-in lookup task
 (launch/agent_lookup.py) whose log-probs line up with vLLM's on the model's tokens; the same task as an episode()
 function (launch/agent_lookup_episode.py) under --async_train --max_staleness 0 reproduces it exactly;

@@ -1,0 +1,288 @@
+"""Trust tier: read the faces, trust the body.
+
+The Ray side of the RL drivers (grpo.py, ppo.py): the checks of the flags they share, prompts and the step count,
+Ray start-up and placement, trainer groups and their rendezvous, vLLM engines and reward-model actors, the reward
+function, weight sync to the engines, and the engines' share of a rollout's prompts.
+"""
+
+import math
+import os
+import sys
+
+import torch
+
+from common.data import BadRow, format_prompt, validate_prompt_args
+from common.episodes import load_env, validate_agent_args
+from common.infra.datasets import load_one
+from common.infra.engine import ModelArgs, free_port, init_distributed, set_seed, uses_bf16
+from common.infra.gpu import check_colocation, check_weight_sync_model
+from common.infra.vllm_engine import resolve_max_model_len
+
+
+def off_policy(args):
+    """--async_train with --max_staleness > 0: samples come from the weights one update before the
+    trainer's, and vLLM's log-probs of them (the behaviour policy) are the old policy of the clip."""
+    return args.async_rollout.async_train and args.async_rollout.max_staleness > 0
+
+
+def validate_rollout_args(args, world, script):
+    """The checks of the flags every RL driver shares (world: actor trainer ranks; the script checked its ring
+    flags first); fills --max_model_len."""
+    if args.model.aux_loss_coef > 0:
+        raise ValueError(f"--aux_loss_coef (MoE load balancing) is not implemented in {script}")
+    n = args.n_samples_per_prompt
+    if n < 1:
+        raise ValueError(f"--n_samples_per_prompt must be >= 1, got {n}")
+    rollout = args.rollout_batch_size * n
+    if rollout % args.train.train_batch_size:
+        raise ValueError(f"--rollout_batch_size {args.rollout_batch_size} x --n_samples_per_prompt {n} = {rollout} "
+                         f"samples must be a multiple of --train_batch_size {args.train.train_batch_size}")
+    rings = world // args.ring.ring_attn_size  # the ranks of a ring share their samples (validate_ring_args)
+    if rollout % (args.micro_rollout_batch_size * rings):
+        raise ValueError(f"{rollout} samples per rollout must be a multiple of --micro_rollout_batch_size "
+                         f"{args.micro_rollout_batch_size} x {rings} data-parallel trainer ranks (trainer ranks / "
+                         f"--ring_attn_size)")
+    if args.agent.agent_func_path:
+        validate_agent_args(args)
+    elif not (args.remote_rm_url or args.reward_pretrain):
+        raise ValueError("no reward: give --remote_rm_url (a .py reward file or an HTTP URL), --reward_pretrain, "
+                         "or an environment (--agent_func_path)")
+    if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
+        from common.infra.remote_reward import load_reward_func
+
+        # a missing file or function fails now, not after the models load
+        load_reward_func(args.remote_rm_url, "--remote_rm_url")
+    needed = max(args.prompt_max_len + args.generate_max_len, args.agent.max_episode_tokens or 0)
+    if args.engine.max_model_len is not None and args.engine.max_model_len < needed:
+        raise ValueError(f"--max_model_len {args.engine.max_model_len} must be >= --prompt_max_len "
+                         f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len}"
+                         + (f" and >= --max_episode_tokens {args.agent.max_episode_tokens}"
+                            if args.agent.agent_func_path else ""))
+    args.engine.max_model_len = resolve_max_model_len(args.model.pretrain, args.engine.max_model_len, needed)
+    if args.use_kl_loss and args.init_kl_coef <= 0:
+        raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
+    if args.use_kl_loss and args.kl_estimator == "k1":  # E[grad k1] = E[grad log p] = 0 under the policy
+        raise ValueError("--use_kl_loss with --kl_estimator k1 regularises nothing (the expected gradient of k1 as a "
+                         "loss is 0): use --kl_estimator k3 (the gradient of KL(ref||policy), GRPO's) or k2 (of "
+                         "KL(policy||ref))")
+    if args.temperature != 1:
+        print(f"warning: --temperature {args.temperature}: the update reads the untempered policy's log-probs, so it "
+              "trains on samples of another distribution, uncorrected", file=sys.stderr)
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
+    if args.overlong_buffer_len >= args.generate_max_len:
+        raise ValueError(f"--overlong_buffer_len {args.overlong_buffer_len} must be < --generate_max_len")
+    if args.colocate_all_models and args.vllm_num_engines * args.engine.tp_size != world:
+        raise ValueError(f"--colocate_all_models puts one engine device on each trainer device: --vllm_num_engines "
+                         f"x --vllm_tensor_parallel_size must equal {world} trainer ranks")
+    if args.vllm_enable_sleep and not args.colocate_all_models:
+        raise ValueError("--vllm_enable_sleep only helps with --colocate_all_models")
+    check_colocation(args.colocate_all_models, args.engine.vllm_gpu_memory_utilization, args.engine.tp_size,
+                     torch.cuda.is_available())  # common.infra.gpu: what a CUDA device cannot hold
+    check_weight_sync_model(args.model.load_in_4bit, True, script)
+    overlap = args.async_rollout
+    if overlap.max_staleness < 0:
+        raise ValueError(f"--max_staleness must be >= 0, got {overlap.max_staleness}")
+    if overlap.async_train and args.vllm_enable_sleep:
+        raise ValueError("--async_train generates while the trainer updates: the engines cannot sleep "
+                         "(drop --vllm_enable_sleep)")
+    if off_policy(args):  # samples one update old: the clip is the trust region that keeps that stable
+        eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
+        if not (0 < eps_low < 1 and 0 < eps_high < 1):
+            raise ValueError(f"--async_train with --max_staleness {overlap.max_staleness} needs a clipped ratio: "
+                             f"--eps_clip / --eps_clip_low_high bounds in (0, 1), got {eps_low}, {eps_high}")
+        if args.vllm_is_truncation > 0:
+            raise ValueError("--vllm_is_truncation with --async_train --max_staleness > 0: the old policy is already "
+                             "vLLM's (the ratio p_trainer / p_vllm is the clipped PPO ratio)")
+    validate_prompt_args(args.input_template, args.apply_chat_template)
+
+
+def load_prompts(spec, split, args, tokenizer, max_samples):
+    """[{prompt_text, prompt_ids, label}]; rows missing a field or too long fail naming the file and row."""
+    raw = load_one(spec, split)
+    prompts, skipped = [], 0
+    for i in range(min(len(raw), max_samples)):
+        row = raw[i]
+        try:
+            if row.get(args.input_key) in (None, "", []):
+                raise BadRow(f"missing or empty field {args.input_key!r} (--input_key)")
+            if args.label_key and row.get(args.label_key) is None:
+                raise BadRow(f"missing field {args.label_key!r} (--label_key), which the reward needs")
+            text = format_prompt(row[args.input_key], tokenizer, args)
+            ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
+            limit = min(args.prompt_max_len, args.engine.max_model_len - 1)  # the engine needs room for a response
+            if len(ids) > limit:
+                raise BadRow(f"{len(ids)} prompt tokens, more than {limit} (--prompt_max_len {args.prompt_max_len}, "
+                             f"--max_model_len {args.engine.max_model_len})")
+        except BadRow as e:
+            if not args.skip_bad_rows:
+                raise ValueError(f"{spec}: row {i}: {e}") from None
+            skipped += 1
+            continue
+        prompts.append({"prompt_text": text, "prompt_ids": ids, "raw": row[args.input_key],
+                        "label": row[args.label_key] if args.label_key else None})
+    if not prompts:
+        raise ValueError(f"{spec}: no usable prompts ({len(raw)} rows, {skipped} skipped)")
+    if skipped:
+        print(f"{spec}: skipped {skipped} bad rows")
+    return prompts
+
+
+def rollout_steps(args, num_prompts):
+    """(rollout steps of the run, rollout steps per pass over the prompts)."""
+    total_steps = args.num_episodes * num_prompts // args.rollout_batch_size
+    if args.max_steps > 0:
+        total_steps = min(total_steps, args.max_steps)
+    if total_steps < 1:
+        raise ValueError(f"{num_prompts} prompts x --num_episodes {args.num_episodes} is fewer than one "
+                         f"--rollout_batch_size {args.rollout_batch_size}")
+    return total_steps, max(num_prompts // args.rollout_batch_size, 1)
+
+
+def start_ray(args, num_roles, root):
+    """Join --ray_address, or start a local Ray with a logical CPU for every role even on a 2-core machine."""
+    import ray
+
+    if args.ray_address:
+        ray.init(address=args.ray_address, runtime_env={"env_vars": {"PYTHONPATH": root}})
+    else:
+        ray.init(num_cpus=max(os.cpu_count() or 1, num_roles), include_dashboard=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": root, "TOKENIZERS_PARALLELISM": "false"}})
+
+
+def trainer_bundles(roles, num_nodes, per_node, gpu, timeout_s, name):
+    """A placement group of num_nodes x per_node bundles (one per trainer rank), rank r on node r // per_node
+    (PACK alone may fill one node: a STRICT_SPREAD probe picks distinct nodes, then each bundle is pinned);
+    returns bundle index -> scheduling strategy."""
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle, world = ({"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}), num_nodes * per_node
+    selectors = None
+    if num_nodes > 1:
+        probe = placement_group([{k: v * per_node for k, v in bundle.items()}] * num_nodes, strategy="STRICT_SPREAD")
+        roles.get(probe.ready(), timeout_s=timeout_s)
+        node_ids = placement_group_table(probe)["bundles_to_node_id"]
+        remove_placement_group(probe)
+        selectors = [{"ray.io/node-id": node_ids[r // per_node]} for r in range(world)]
+        print(f"{name} group: {world} ranks on {num_nodes} nodes, {per_node} per node")
+    pg = placement_group([bundle] * world, strategy="PACK", bundle_label_selector=selectors)
+    roles.get(pg.ready(), timeout_s=timeout_s)
+    return lambda i: PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+
+
+def reference_args(args):
+    """The frozen reference model (--init_kl_coef > 0): the start policy, loaded as the policy is (attention
+    kernel, 4-bit)."""
+    return ModelArgs(pretrain=args.model.pretrain, attn_implementation=args.model.attn_implementation,
+                     load_in_4bit=args.model.load_in_4bit)
+
+
+def rendezvous_address():
+    """This node's address and a free port, for a trainer group's rendezvous (asked of its rank 0)."""
+    import ray
+
+    return ray.util.get_node_ip_address(), free_port("")
+
+
+def join_group(rank, world, master_addr, master_port, timeout_s, seed, ranks_per_node):
+    """Join a trainer group as `rank` (bounded by timeout_s); on CPU take cores / ranks_per_node threads (Ray
+    gives an actor num_cpus threads, 1)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
+                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    init_distributed(timeout_s=timeout_s)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // ranks_per_node))
+    set_seed(seed)
+
+
+def weight_sync(args, rank, engines):
+    """The actor rank's side of the weight sync into the vLLM engines (rank 0 sends; the others take part in
+    the gathers)."""
+    import ray
+
+    from common.infra.weight_sync import WeightSync
+
+    return WeightSync(engines if rank == 0 else [], colocated=args.colocate_all_models, tp_size=args.engine.tp_size,
+                      host=ray.util.get_node_ip_address(), timeout_s=args.rendezvous_timeout,
+                      dtype=torch.bfloat16 if uses_bf16(args.train) else None)
+
+
+def start_engines(args, roles, cpus, gpus, at=None):
+    """The --vllm_num_engines engine actors (each --vllm_tensor_parallel_size devices; colocated with `at`: engine
+    i in trainer rank i x tp size's bundle), added to `roles`."""
+    from common.infra.vllm_engine import create_vllm_actor, default_max_num_seqs
+
+    # an engine holds at once every sample of its share of a rollout (or of an evaluation round)
+    per_engine = math.ceil(args.rollout_batch_size / args.vllm_num_engines)
+    max_num_seqs = default_max_num_seqs(per_engine * max(args.n_samples_per_prompt, args.eval_n_samples_per_prompt))
+    return [roles.add(f"vLLM engine {i}", create_vllm_actor(
+                args.model.pretrain, args.engine, num_cpus=cpus, num_gpus=gpus * args.engine.tp_size,
+                enable_sleep=args.vllm_enable_sleep, colocated=at is not None, max_num_seqs=max_num_seqs,
+                bf16=uses_bf16(args.train),
+                options={"scheduling_strategy": at(i * args.engine.tp_size)} if at else {}))
+            for i in range(args.vllm_num_engines)]
+
+
+def start_reward_models(args, roles, cpus, gpus, strategy=None):
+    """The --reward_pretrain models in one actor (on `strategy`'s bundle when colocated), or None."""
+    from common.infra.roles import actor_class
+
+    if not args.reward_pretrain:
+        return None
+    return roles.add("reward models", actor_class(RewardModels).options(
+        num_cpus=cpus, num_gpus=gpus, **({"scheduling_strategy": strategy} if strategy else {})).remote(
+        [p for p in args.reward_pretrain.split(",") if p], args.normalize_reward))
+
+
+def start_group(roles, members, *setup_args):
+    """Start every member's setup(addr, port, *setup_args), rendezvous at rank 0; returns the refs to wait on."""
+    if not members:
+        return []
+    addr, port = roles.get(members[0].address.remote())
+    return [m.setup.remote(addr, port, *setup_args) for m in members]
+
+
+class RewardModels:
+    """Reward models from rm.py in their own Ray actor: one summed score per text."""
+
+    def __init__(self, paths, normalize):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.models = [AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
+        self.tokenizer, self.normalize = AutoTokenizer.from_pretrained(paths[0]), normalize
+
+    def score(self, texts):
+        from common.infra.reward import score
+
+        return score(self.models, texts, self.tokenizer, normalize=self.normalize).tolist()
+
+
+def reward_function(args):
+    """--remote_rm_url as a function, checked on an empty batch (the URL and token, or the file) before any
+    model starts; None without it."""
+    if not args.remote_rm_url:
+        return None
+    from common.infra.remote_reward import make_reward_fn
+
+    reward_fn = make_reward_fn(args.remote_rm_url, token=args.remote_rm_token, flag="--remote_rm_url")
+    reward_fn([], [], [])
+    return reward_fn
+
+
+def generate(roles, engines, prompt_ids, sampling, seeds, timeout_s):
+    """Split the tokenized prompts over the engines; one list of Sample per prompt, in order. `sampling`: one
+    SamplingArgs, or one per prompt; `seeds`: one per prompt, or None (then each SamplingArgs carries its own)."""
+    per = math.ceil(len(prompt_ids) / len(engines))
+    futures = [e.generate.remote(prompt_ids[i * per : (i + 1) * per],
+                                 sampling[i * per : (i + 1) * per] if isinstance(sampling, list) else sampling,
+                                 seeds and seeds[i * per : (i + 1) * per])
+               for i, e in enumerate(engines) if prompt_ids[i * per : (i + 1) * per]]
+    return [group for chunk in roles.get(futures, timeout_s, "vLLM engines (generating)") for group in chunk]
+
+
+def environment(args):
+    """The Env class of --agent_func_path, or None."""
+    return load_env(args.agent.agent_func_path) if args.agent.agent_func_path else None
+
+

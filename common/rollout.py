@@ -1,0 +1,342 @@
+"""The RL rollout, what grpo.py and ppo.py share of the algorithm: the flags they share, sampling n responses per
+prompt, reward composition (reward file or URL plus reward models), DAPO's dynamic filtering and overlong shaping,
+masking, the training samples and their packed batches, and evaluation (pass@1, pass@k). The advantages and losses
+stay in each script; the Ray and vLLM mechanism is common/infra/cluster.py's.
+
+# ---- forkers edit here: sampling, rewards, filtering and shaping are plain functions of the rollout ----
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Annotated, Optional
+
+import torch
+import tyro
+
+from common.episodes import Episode, episode_sample, run_episodes
+from common.infra.cluster import generate
+from common.infra.tracking import LogArgs
+from common.infra.vllm_engine import EngineArgs, SamplingArgs
+from common.packing import collate
+
+
+@dataclass
+class RLArgs:
+    """The flags of grpo.py and ppo.py that mean the same in both: prompts, evaluation, rewards, rollouts (each
+    script's Args derives from it, so they read as its own fields)."""
+
+    # -- prompts
+    prompt_data: str = tyro.MISSING
+    """Prompt dataset (any spec common/data.py loads: file, folder, type@dir, hub name)."""
+    prompt_split: str = "train"
+    """Split of --prompt_data."""
+    input_key: str = "input"
+    """Field holding the prompt (a string, or a list of chat messages)."""
+    label_key: Optional[str] = None
+    """Field holding the reference answer passed to the reward function (required in every row when set)."""
+    apply_chat_template: bool = False
+    """Format prompts with the tokenizer's chat template."""
+    input_template: Optional[str] = None
+    """Plain prompt template with one '{}' for the prompt (no chat template)."""
+    tokenizer_chat_template: Optional[str] = None
+    """A Jinja chat template that replaces the tokenizer's own."""
+    max_samples: int = 100_000_000
+    """Use at most this many prompts."""
+    skip_bad_rows: bool = False
+    """Skip and count prompts that are missing fields or longer than --prompt_max_len instead of stopping."""
+    eval_dataset: Optional[str] = None
+    """Held-out prompts (same keys), evaluated every --eval_steps rollout steps and at the start and end."""
+    eval_split: str = "train"
+    """Split of --eval_dataset."""
+    eval_n_samples_per_prompt: int = 4
+    """Samples per held-out prompt: pass@1 is their mean reward, pass@k the mean of each prompt's best."""
+    eval_temperature: float = 0.6
+    """Sampling temperature of the evaluation (0: greedy)."""
+    # -- rewards
+    remote_rm_url: Optional[str] = None
+    """Rule-based or remote reward: a .py file defining reward_func(queries, prompts, labels), or an HTTP URL
+    served by `python launch/reward_server.py`."""
+    remote_rm_token: Optional[str] = None
+    """Bearer token for an HTTP --remote_rm_url (default: $MINRLHF_REWARD_TOKEN)."""
+    reward_pretrain: Optional[str] = None
+    """Comma list of reward models exported by rm.py; their scores are summed (and added to --remote_rm_url's)."""
+    normalize_reward: bool = False
+    """Normalise each reward model's score with the mean/std rm.py stored in its config."""
+    reward_clip_range: tuple[float, float] = (-10.0, 10.0)
+    """Clamp each sample's scalar reward to this range, before the group baseline (OpenRLHF clips after it)."""
+    overlong_buffer_len: int = 0
+    """DAPO overlong penalty: responses longer than --generate_max_len minus this lose reward linearly (0: off)."""
+    overlong_penalty_factor: float = 1.0
+    """Reward lost by a response that fills the whole overlong buffer."""
+    # -- rollouts
+    n_samples_per_prompt: int = 8
+    """Responses sampled per prompt (a group)."""
+    rollout_batch_size: int = 32
+    """Prompts per rollout step; samples per step = this x --n_samples_per_prompt."""
+    micro_rollout_batch_size: int = 16
+    """Samples per forward pass when computing log-probs (and ppo.py's values) before the update."""
+    num_episodes: int = 1
+    """Passes over the prompt data."""
+    max_steps: int = -1
+    """Stop after this many rollout steps (-1: as many as --num_episodes give)."""
+    prompt_max_len: int = 1024
+    """Longest prompt in tokens."""
+    generate_max_len: int = 1024
+    """Longest response in tokens."""
+    temperature: float = 1.0
+    """Rollout sampling temperature. The update reads the untempered policy's log-probs, so at a temperature other
+    than 1 it trains on samples of another distribution, uncorrected (a warning says so; OpenRLHF divides the
+    logits by it)."""
+    top_p: float = 1.0
+    """Rollout nucleus sampling mass."""
+    dynamic_filtering: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (their unmasked samples') and sample new
+    prompts to refill the batch. The run's step count still comes from --num_episodes, so with refills it reads
+    more than that many passes over the prompts."""
+    dynamic_filtering_max_rounds: int = 4
+    """Sampling rounds per step for --dynamic_filtering; then the batch is topped up with dropped groups."""
+    mask_truncated_responses: bool = False
+    """Responses cut off at --generate_max_len carry no loss (in ppo.py, neither for the actor nor for the critic)."""
+
+
+@dataclass
+class RolloutEngineArgs(EngineArgs):
+    tp_size: Annotated[int, tyro.conf.arg(name="vllm_tensor_parallel_size")] = 1
+    """Tensor-parallel size of each vLLM engine."""
+    max_model_len: Optional[int] = None
+    """Longest prompt + response an engine serves (default: --prompt_max_len + --generate_max_len, at most the
+    model's max_position_embeddings)."""
+    seed: tyro.conf.Suppress[int] = 0  # unused: every request carries its own seed (derived from --seed)
+
+
+@dataclass
+class RolloutLogArgs(LogArgs):
+    logging_steps: int = 1
+    """Log training scalars every N rollout steps."""
+    eval_steps: int = -1
+    """Evaluate on --eval_dataset every N rollout steps (-1: after each pass over the prompts), before the first
+    and after the last rollout step."""
+
+
+@dataclass
+class AsyncArgs:
+    async_train: bool = False
+    """Generate the next steps' samples (up to --max_staleness ahead) while the trainer updates on this step's."""
+    max_staleness: int = 1
+    """With --async_train: K, the policy updates between the weights that generate a step's samples and the update
+    that trains on them: rollouts run up to K steps ahead, step j's on the weights of update max(j - K, 0) exactly
+    (0: no overlap, the synchronous run). vLLM's log-probs are the old policy of the clipped ratio."""
+    rollout_timeout: float = 1800.0
+    """Seconds the driver waits for a step's rollout (engines, environment, rewards), and for the engines to finish
+    it before a weight sync; then it stops naming who is late."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts and steps
+# ----------------------------------------------------------------------------------------------
+
+
+def prompt_at(prompts, position, seed):
+    """The prompt at stream position `position`: episode after episode, each in its own shuffled order."""
+    episode, k = divmod(position, len(prompts))
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + episode))
+    return prompts[order[k].item()]
+
+
+def split_steps(samples, args, step, ranks):
+    """Epochs x optimizer steps of --train_batch_size samples (a seeded shuffle), each split over `ranks`."""
+    per_rank, B, per_step = [[] for _ in range(ranks)], args.train.train_batch_size, len(samples)
+    for epoch in range(args.train.max_epochs):
+        order = torch.randperm(per_step, generator=torch.Generator().manual_seed(args.train.seed + 1000 * step + epoch))
+        for k in range(per_step // B):
+            chosen = [samples[i] for i in order[k * B : (k + 1) * B].tolist()]
+            for r in range(ranks):
+                per_rank[r].append(chosen[r * (B // ranks) : (r + 1) * (B // ranks)])
+    return per_rank
+
+
+# ----------------------------------------------------------------------------------------------
+# Ray: start-up, placement, trainer groups
+# ----------------------------------------------------------------------------------------------
+
+
+# ----------------------------------------------------------------------------------------------
+# Samples: a response with its prompt, made into collated batches with per-token values
+# ----------------------------------------------------------------------------------------------
+def token_sample(s):
+    """The input_ids/loss_mask dict collate() packs: loss on the response tokens the model wrote (an episode's
+    environment tokens are not trainable), none if masked."""
+    return {"input_ids": s["prompt_ids"] + s["response_ids"],
+            "loss_mask": [0] * len(s["prompt_ids"]) + [0 if s.get("masked") else int(t) for t in model_tokens(s)]}
+
+
+def model_tokens(s):
+    """Which response tokens the model wrote (bool): all of a single-turn response, an episode's own turns."""
+    return torch.tensor(s.get("trainable", [1] * len(s["response_ids"])), dtype=torch.bool)
+
+
+def make_batch(samples, pad_id, max_tokens, one_row, values=(), share_prompt=False):
+    """Collate samples (packed; one row with a per-sample attention kernel), and lay each named
+    per-response-token value out like the tokens. With share_prompt (the CPU kernel), the samples of a
+    prompt after its first are branches of the first one's prompt: the row holds each prompt once.
+    `response_offsets[i]`: where sample i's response starts in its span (common.packing.unpack)."""
+    token_samples, first_of = [token_sample(s) for s in samples], {}
+    for i, s in enumerate(samples):
+        j = first_of.setdefault(tuple(s["prompt_ids"]), i)
+        if share_prompt and j != i and s["response_ids"]:
+            token_samples[i].update(prefix_of=j, prefix_len=len(s["prompt_ids"]))
+    batch = collate(token_samples, pad_id, packing=True, max_tokens=max_tokens, one_row=one_row,
+                    share_prefixes=share_prompt)
+    batch["response_offsets"] = [len(s["prompt_ids"]) - t.get("prefix_len", 0)
+                                 for s, t in zip(samples, token_samples)]
+    for key in values:
+        laid = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        for s, p, (r, start, n) in zip(samples, batch["response_offsets"], batch["spans"]):
+            laid[r, start + p : start + n] = torch.as_tensor(s[key], dtype=torch.float32)
+        batch[key] = laid
+    return batch
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollouts, rewards, evaluation
+# ----------------------------------------------------------------------------------------------
+
+
+def compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer):
+    """One scalar reward per sample, shape (prompts, n): reward file / URL plus reward models."""
+    queries = [p["prompt_text"] + s.text for p, g in zip(prompts, groups) for s in g]
+    prompt_texts = [p["prompt_text"] for p, g in zip(prompts, groups) for _ in g]
+    labels = [p["label"] for p, g in zip(prompts, groups) for _ in g]
+    total = torch.zeros(len(queries))
+    if reward_fn is not None:
+        total += reward_fn(queries, prompt_texts, labels)
+    if reward_models is not None:  # the RM reads prompt + response + EOS, as rm.py trained it
+        texts = [p["prompt_text"] + tokenizer.decode(s.output_ids) for p, g in zip(prompts, groups) for s in g]
+        total += torch.tensor(roles.get(reward_models.score.remote(texts)))
+    return total.view(len(prompts), -1)
+
+
+def carries_loss(sample, mask_truncated):
+    """Whether a sampled response (or episode) trains: not a rejected episode, nor a response cut off at
+    --generate_max_len under --mask_truncated_responses."""
+    return not (getattr(sample, "rejected", False) or (mask_truncated and sample.finish_reason == "length"))
+
+
+def no_signal(rewards, live, rel_tol=1e-6):
+    """A group whose live members' rewards are equal (within `rel_tol` of their size, float32 round-off), or that
+    has fewer than two live members: comparing its samples teaches nothing (DAPO's dynamic filtering drops it)."""
+    r = rewards.double()[live]
+    return len(r) < 2 or (r.max() - r.min()).item() <= rel_tol * r.abs().max().item()
+
+
+def overlong_penalty(length, max_len, buffer, factor):
+    """DAPO: the reward lost by a response of `length` tokens that runs into the last `buffer` tokens."""
+    over = length - (max_len - buffer)
+    return min(max(over, 0), buffer) / buffer * factor if buffer > 0 else 0.0
+
+
+def rollout_groups(args, roles, engines, prompts, n, temperature, top_p, seeds, reward_fn, reward_models, tokenizer,
+                   env_cls, timing):
+    """n responses (or episodes) per prompt and their rewards (prompts, n); timing["time/..."] accumulates."""
+    timeout_s, t0 = args.async_rollout.rollout_timeout, time.time()
+    if env_cls is not None:  # the environment rewards each episode as it runs
+        groups = run_episodes(args, env_cls, lambda ids, sp: generate(roles, engines, ids, sp, None, timeout_s),
+                              tokenizer, prompts, n, temperature, seeds, top_p)
+        timing["time/generate"] = timing.get("time/generate", 0.0) + time.time() - t0
+        return groups, torch.tensor([[e.reward for e in g] for g in groups])
+    sampling = SamplingArgs(n=n, temperature=temperature, top_p=top_p, max_new_tokens=args.generate_max_len)
+    groups = generate(roles, engines, [p["prompt_ids"] for p in prompts], sampling, seeds, timeout_s)
+    timing["time/generate"] = timing.get("time/generate", 0.0) + time.time() - t0
+    t0 = time.time()
+    rewards = compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer)
+    timing["time/reward"] = timing.get("time/reward", 0.0) + time.time() - t0
+    return groups, rewards
+
+
+def collect_rollout(args, roles, engines, prompts, start, version, reward_fn, reward_models, tokenizer, env_cls):
+    """One step's rollout from prompt position `start` with the engines holding policy `version`:
+    --rollout_batch_size prompts, n responses (or episodes) each, rewarded; with --dynamic_filtering groups of
+    equal rewards are dropped and new prompts refill the batch. Runs on the driver, or with --async_train in the
+    rollout thread while the trainer updates on the previous step's samples."""
+    kept, dropped, rounds, position, timing = [], [], 0, start, {}
+    while len(kept) < args.rollout_batch_size and rounds < max(1, args.dynamic_filtering_max_rounds):
+        need, rounds = args.rollout_batch_size - len(kept), rounds + 1
+        positions = range(position, position + need)
+        position += need
+        batch_prompts = [prompt_at(prompts, i, args.train.seed) for i in positions]
+        # a seed per prompt position: the same samples whatever the engine count or batching (resume is exact)
+        groups, rewards = rollout_groups(args, roles, engines, batch_prompts, args.n_samples_per_prompt,
+                                         args.temperature, args.top_p,
+                                         [args.train.seed * 1_000_003 + i for i in positions],
+                                         reward_fn, reward_models, tokenizer, env_cls, timing)
+        for p, g, r in zip(batch_prompts, groups, rewards):
+            live = torch.tensor([carries_loss(s, args.mask_truncated_responses) for s in g])
+            (dropped if args.dynamic_filtering and no_signal(r, live) else kept).append((p, g, r))
+        if not args.dynamic_filtering:
+            break
+    kept += dropped[: args.rollout_batch_size - len(kept)]  # rounds ran out: equal-reward groups carry no signal
+    return {"kept": kept, "dropped": len(dropped), "rounds": rounds, "end": position, "version": version,
+            "timing": timing}
+
+
+def rollout_samples(rollout, args):
+    """The training samples of a rollout (prompt and response ids, vLLM's log-probs, reward less DAPO's
+    overlong penalty, masked) and its raw rewards (prompts, n)."""
+    samples = []
+    for p, g, r in rollout["kept"]:
+        for s, reward in zip(g, r.tolist()):
+            if isinstance(s, Episode):
+                samples.append({**episode_sample(s, args.mask_truncated_responses), "reward": reward})
+                continue
+            penalty = overlong_penalty(len(s.output_ids), args.generate_max_len, args.overlong_buffer_len,
+                                       args.overlong_penalty_factor)
+            samples.append({"prompt_ids": p["prompt_ids"], "response_ids": list(s.output_ids),
+                            "vllm_logps": list(s.logprobs), "reward": reward - penalty,
+                            "masked": not carries_loss(s, args.mask_truncated_responses)})
+    return samples, torch.stack([r for _, _, r in rollout["kept"]])
+
+
+def rollout_metrics(rollout, samples, raw_rewards, step):
+    """What every RL driver logs of a rollout: rewards, lengths of the model's own tokens, filtering,
+    staleness, and the episodes' turns, forks and rejects."""
+    lengths = [int(model_tokens(s).sum()) for s in samples]
+    metrics = {"train/reward": raw_rewards.mean().item(), "train/reward_std": raw_rewards.std().item(),
+               "train/response_length": sum(lengths) / len(lengths),
+               "train/truncated": sum(s["masked"] for s in samples) / len(samples),
+               "train/dropped_groups": rollout["dropped"], "train/sampling_rounds": rollout["rounds"],
+               "async/policy_version": rollout["version"], "async/staleness": step - rollout["version"],
+               **rollout["timing"]}
+    episodes = [e for _, g, _ in rollout["kept"] for e in g if isinstance(e, Episode)]
+    if episodes:
+        metrics.update({"train/episode_turns": sum(e.turns for e in episodes) / len(episodes),
+                        "train/episode_length": sum(len(e.tokens()) for e in episodes) / len(episodes),
+                        "train/episode_forks": sum(e.forks for e in episodes),
+                        "train/episode_rejects": sum(e.rejected for e in episodes)})
+    return metrics
+
+
+def kl_to_reference(samples):
+    """train/kl: the k1 estimate of KL(policy || reference) per model token, from the log-probs before the update
+    (when the step computed both)."""
+    if not all("ref_logps" in s and "old_logps" in s for s in samples):
+        return {}
+    masks = [model_tokens(s) for s in samples]
+    kl = sum((torch.tensor(s["old_logps"])[m] - torch.tensor(s["ref_logps"])[m]).clamp(-10, 10).sum().item()
+             for s, m in zip(samples, masks))
+    return {"train/kl": kl / max(sum(int(m.sum()) for m in masks), 1)}
+
+
+
+
+@torch.no_grad()
+def evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer, env_cls=None):
+    n, timing = args.eval_n_samples_per_prompt, {}
+    seeds = [args.train.seed + 7919 * i for i in range(len(eval_prompts))]
+    groups, rewards = rollout_groups(args, roles, engines, eval_prompts, n, args.eval_temperature, 1.0, seeds,
+                                     reward_fn, reward_models, tokenizer, env_cls, timing)
+    if env_cls is not None:  # the model's own tokens
+        length = sum(len(ids) for g in groups for e in g for ids, trainable, _ in e.segments if trainable)
+    else:
+        length = sum(len(s.output_ids) for g in groups for s in g)
+    return {"eval/pass@1": rewards.mean().item(), f"eval/pass@{n}": rewards.max(1).values.mean().item(),
+            "eval/response_length": length / rewards.numel()}
