@@ -27,7 +27,7 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import DataArgs, format_prompt, format_response, validate_prompt_args# noqa: E402
 from common.infra.datasets import load_one, load_tokenizer# noqa: E402
-from common.infra.engine import finish, parse_cli  # noqa: E402
+from common.infra.engine import run, parse_cli  # noqa: E402
 from common.infra.remote_reward import make_reward_fn  # noqa: E402
 from common.infra.tracking import progress  # noqa: E402
 from common.infra.vllm_engine import (  # noqa: E402
@@ -289,12 +289,5 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    try:
-        parsed = parse_args()
-    except (ValueError, RuntimeError) as e:  # RuntimeError: the reward server refused or did not answer
-        sys.exit(f"error: {e}")
-    try:
-        main(parsed)
-    except (ValueError, EngineError) as e:  # data mistakes; an engine that could not start (with its root cause)
-        sys.exit(f"error: {e}")
-    finish()  # exit without interpreter teardown (see common.infra.engine.finish)
+    run(main, parse_args, errors=(ValueError, EngineError), parse_errors=(ValueError, RuntimeError),
+        holds_ckpt=False)  # RuntimeError: the reward server refused or did not answer

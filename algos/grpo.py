@@ -59,7 +59,7 @@ from common.infra.cluster import (  # noqa: E402
 from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.infra.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
-    deepspeed_eval_config, device, finish, hold_ckpt_path, load_causal_lm, load_checkpoint,
+    deepspeed_eval_config, device, run, load_causal_lm, load_checkpoint,
     optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, validate_common_args,
 )
 from common.episodes import AgentArgs  # noqa: E402
@@ -72,7 +72,7 @@ from common.rollout import (  # noqa: E402
     AsyncArgs, RLArgs, RolloutEngineArgs, RolloutLogArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
     model_tokens, rollout_metrics, rollout_samples, split_steps, token_sample,
 )
-from common.infra.tracking import MetricsLogger, eval_due, exit_with_error, progress  # noqa: E402
+from common.infra.tracking import MetricsLogger, eval_due, progress  # noqa: E402
 from common.infra.gpu import PACKED as VARLEN_ATTENTION  # noqa: E402
 
 ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline")
@@ -663,15 +663,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    try:
-        parsed = parse_args()
-        hold_ckpt_path(parsed.ckpt)  # a second run on the same --ckpt_path stops here
-    except ValueError as e:  # argument mistakes: say what to fix, before Ray or any model starts
-        sys.exit(f"error: {e}")
-    try:
-        main(parsed)
-    except ValueError as e:  # data mistakes found before training
-        exit_with_error(e)
-    except RoleFailed as e:  # a role died, raised or did not start: named, with its root cause
-        exit_with_error(e)
-    finish()  # exit without interpreter teardown (see common.infra.engine.finish)
+    run(main, parse_args, errors=(ValueError, RoleFailed))  # RoleFailed: a Ray role died, raised or did not start

@@ -50,7 +50,7 @@ from common.data import BadRow, DataArgs, format_prompt, format_response, get_fi
 from common.infra.datasets import load_tokenizer, prepare_dataset, rank0_first, tokenization_cache_key  # noqa: E402
 from common.infra.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, create_eval_engine, create_train_engine,
-    deepspeed_eval_config, device, finish, hold_ckpt_path, init_distributed, is_rank0, load_causal_lm, load_checkpoint,
+    deepspeed_eval_config, device, run, init_distributed, is_rank0, load_causal_lm, load_checkpoint,
     optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args,
     world_size_from_env,
 )
@@ -421,15 +421,4 @@ def main(args: Args):
 
 
 if __name__ == "__main__":
-    # ---- boilerplate: entry point (the same text in every script; tests/test_boilerplate.py) ----
-    try:
-        parsed = parse_args()
-        hold_ckpt_path(parsed.ckpt)  # a second run on the same --ckpt_path stops here
-    except ValueError as e:  # argument mistakes: say what to fix, before any model is loaded
-        sys.exit(f"error: {e}")
-    # ---- end of boilerplate: entry point ----
-    try:
-        main(parsed)
-    except ValueError as e:  # data mistakes, raised alike on every rank: rank 0 says what to fix
-        finish(error=e)
-    finish()  # exit without interpreter teardown (see common.infra.engine.finish)
+    run(main, parse_args)

@@ -24,7 +24,7 @@ def marked_blocks():
 def test_marked_boilerplate_is_identical_across_scripts():
     blocks = marked_blocks()
     scripts = {"sft.py", "dpo.py", "kto.py", "rm.py", "distill.py"}
-    assert {"log and save", "entry point"} <= set(blocks), sorted(blocks)
+    assert {"log and save", "ring attention"} <= set(blocks), sorted(blocks)
     for name, bodies in blocks.items():
         assert scripts <= set(bodies), (name, sorted(bodies))
         first = next(iter(bodies.values()))

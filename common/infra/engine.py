@@ -252,15 +252,41 @@ def die_with_launcher():
         os._exit(1)
 
 
+def run(main, parse_args, errors=(ValueError,), parse_errors=(ValueError,), holds_ckpt=True):
+    """Every script's entry point and its one exit path. parse_args(): an argument mistake (one of `parse_errors`)
+    prints `error: <what to fix>` and exits 1 before any model loads; then, unless holds_ckpt is False, the run takes
+    --ckpt_path's lock (a second run on the same path stops here). main(args): one of `errors` (a data mistake
+    raised alike on every rank; in the Ray drivers a role or engine that died, raised or did not start, named with
+    its root cause) prints `error: <message>` once, on its own line, and the process exits 1; otherwise it exits 0.
+    Either way through finish()."""
+    try:
+        args = parse_args()
+        if holds_ckpt:
+            hold_ckpt_path(args.ckpt)
+    except parse_errors as e:
+        sys.exit(f"error: {e}")
+    try:
+        main(args)
+    except errors as e:
+        finish(error=e)
+    finish()
+
+
 def finish(error=None):
     """End a script whose main() returned: run what a normal exit runs first (join non-daemon threads, atexit
     hooks: vLLM and Ray shutdown, W&B, temporary directories), flush, then os._exit. Why: C++ threads (DeepSpeed's
     gloo groups, a weight-sync TCPStore, vLLM's zmq) occasionally aborted the interpreter's teardown with SIGABRT
-    after all work was done. Call it under `if __name__ == "__main__":`, so a test calling main() is never exited.
-    With `error` (a ValueError raised alike on every rank, e.g. a data error), rank 0 prints `error: <message>`
-    and every rank exits 1."""
+    after all work was done. Only from `if __name__ == "__main__":` (run does it), so a test calling main() is
+    never exited. With `error` (raised alike on every rank, e.g. a data error), rank 0 closes the progress bars
+    still drawn and prints `error: <message>` on a line of its own, and every rank exits 1."""
     if error is not None and is_rank0():
-        print(f"error: {error}", file=sys.stderr)
+        from tqdm import tqdm
+
+        bars = list(getattr(tqdm, "_instances", ()))
+        for bar in bars:
+            bar.close()
+        # closing a nested bar leaves the cursor up on the outer bar's line: start the error on a new one
+        print(("\n" if bars else "") + f"error: {error}", file=sys.stderr)
     threading._shutdown()  # what the interpreter runs before the atexit hooks
     atexit._run_exitfuncs()
     sys.stdout.flush()

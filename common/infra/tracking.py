@@ -5,7 +5,6 @@ Weights & Biases (offline mode works: WANDB_MODE=offline); tqdm bars on rank 0 o
 
 import json
 import os
-import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -78,13 +77,3 @@ def eval_due(step, eval_steps, steps_per_epoch, total_steps):
 def progress(iterable=None, rank0=True, **kwargs):
     """tqdm on rank 0, a silent pass-through elsewhere."""
     return tqdm(iterable, disable=not rank0, dynamic_ncols=True, **kwargs)
-
-
-def exit_with_error(error):
-    """Exit 1 with `error: <error>` on a line of its own: progress bars still drawn are closed first, and the
-    line starts after a newline (closing a nested bar leaves the cursor up on the outer bar's line)."""
-    bars = list(getattr(tqdm, "_instances", ()))
-    for bar in bars:
-        bar.close()
-    print(("\n" if bars else "") + f"error: {error}", file=sys.stderr)
-    sys.exit(1)
