@@ -63,10 +63,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import BadRow, DataArgs, format_prompt, format_response, get_field, validate_data_args  # noqa: E402
 from common.infra.datasets import load_tokenizer, prepare_dataset, rank0_first, tokenization_cache_key  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
-    deepspeed_eval_config, device, run,
-    init_distributed, is_rank0, load_causal_lm, load_checkpoint, optimizer_step, parse_cli, save_checkpoint,
-    save_hf_model, script_ckpt_args, set_seed, uses_bf16, validate_common_args, world_size_from_env,
+    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, create_eval_engine, create_train_engine,
+    deepspeed_eval_config, device, init_distributed, is_rank0, load_causal_lm, load_checkpoint, parse_cli, run,
+    save_checkpoint, save_hf_model, script_ckpt_args, set_seed, uses_bf16, validate_common_args, world_size_from_env,
 )
 from common.packing import collate, lockstep_shard, one_row_per_batch, to_device  # noqa: E402
 from common.infra.gpu import check_weight_sync_model  # noqa: E402
@@ -460,7 +459,6 @@ def main(args: Args):
     train_ds, eval_ds = rank0_first(prepare)
 
     batch_size, micro = args.train.train_batch_size, args.train.micro_train_batch_size
-    gas = accumulation_steps(batch_size, micro, dp_world)
     steps_per_epoch = len(train_ds) // batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train_ds)} training samples is fewer than --train_batch_size {batch_size}")
@@ -557,10 +555,8 @@ def main(args: Args):
             else:
                 t_values, t_ids, _ = teacher_targets(teacher, batch, args.teacher_top_k, vocab)
             kd, ce = token_losses(logits, targets, t_values, t_ids, args, vocab)
-            # DeepSpeed divides by the accumulation steps and averages over ranks; undo both
-            loss = (args.kd_coef * kd.sum() + ce_weight(args, on_policy) * ce.sum()) * (gas * world) / step_tokens
-            engine.backward(loss)
-            grad_norm = optimizer_step(engine)
+            grad_norm = backward_step(engine, args.kd_coef * kd.sum() + ce_weight(args, on_policy) * ce.sum(),
+                                      step_tokens)
             step_kd += kd.sum().item()
             step_nll += ce.sum().item()
             if on_policy:  # vLLM's log-probs of its samples vs the trainer's: the sync worked if they agree

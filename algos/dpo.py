@@ -46,9 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import BadRow, DataArgs, format_prompt, format_response, get_field, validate_data_args  # noqa: E402
 from common.infra.datasets import load_tokenizer, prepare_dataset, rank0_first, tokenization_cache_key  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, create_eval_engine, create_train_engine,
+    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, create_eval_engine, create_train_engine,
     deepspeed_eval_config, device, run, init_distributed, is_rank0, load_causal_lm, load_checkpoint,
-    optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args,
+    parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args,
     world_size_from_env,
 )
 from common.packing import collate, one_row_per_batch, per_sample_sum, sharded_logps, to_device  # noqa: E402
@@ -298,18 +298,16 @@ def main(args: Args):
                 ref_chosen, ref_rejected = ref_logps[: len(idx)], ref_logps[len(idx) :]
             losses, r_w, r_l = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.ipo,
                                         args.label_smoothing)
-            # the micro-batch mean over pairs; DeepSpeed's 1/gas and rank averaging make it the step mean
-            loss = losses.mean()
+            loss_sum, aux = losses.sum(), 0.0  # the step's loss: the mean over its pairs
             stats = pair_stats(losses, r_w, r_l, chosen, rejected, ref_chosen, ref_rejected)
             if args.nll_loss_coef > 0:
                 nll = chosen_nll(chosen, per_sample_sum(batch["loss_mask"], batch)[: len(idx)])
-                loss = loss + args.nll_loss_coef * nll.mean()
+                loss_sum = loss_sum + args.nll_loss_coef * nll.sum()
                 stats["nll_loss"] = nll.detach().sum().item()
-            if args.model.aux_loss_coef > 0:  # MoE load balancing, averaged like DeepSpeed averages it
-                loss = loss + args.model.aux_loss_coef * outputs.aux_loss
+            if args.model.aux_loss_coef > 0:  # MoE load balancing, a mean per micro-batch as DeepSpeed averages it
+                aux = args.model.aux_loss_coef * outputs.aux_loss
                 stats["aux_loss"] = outputs.aux_loss.item() * micro  # / step pairs = mean over micro-batches
-            engine.backward(loss)
-            grad_norm = optimizer_step(engine)
+            grad_norm = backward_step(engine, loss_sum, per_rank * world, averaged=aux)  # pairs, counted on every rank
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
 

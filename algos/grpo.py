@@ -58,9 +58,9 @@ from common.infra.cluster import (  # noqa: E402
 )
 from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
+    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, create_eval_engine, create_train_engine,
     deepspeed_eval_config, device, run, load_causal_lm, load_checkpoint,
-    optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, validate_common_args,
+    parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, validate_common_args,
 )
 from common.episodes import AgentArgs  # noqa: E402
 from common.packing import branch_source_logits, one_row_per_batch, to_device, unpack  # noqa: E402
@@ -351,10 +351,10 @@ def single_update(args):
     return one_step and not (args.init_kl_coef > 0 and not args.use_kl_loss)
 
 
-def micro_batch_loss(model, batch, args, normaliser, scale=1.0, ring=None):
-    """The policy loss of one collated micro-batch, already divided by the step's normaliser (times
-    `scale`, which undoes DeepSpeed's averaging); returns (loss, metric sums). Without "old_logps"
-    in the batch (single_update) the current log-probs stand in for them, detached."""
+def micro_batch_loss(model, batch, args, ring=None):
+    """The policy loss of one collated micro-batch, summed as the step's normaliser expects (see aggregate); returns
+    (loss, metric sums). Without "old_logps" in the batch (single_update) the current log-probs stand in for them,
+    detached."""
     logps, outputs = ring_token_logps(model, batch, ring)
     mask = batch["loss_mask"]
     old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
@@ -378,7 +378,7 @@ def micro_batch_loss(model, batch, args, normaliser, scale=1.0, ring=None):
     metrics = {k: v.item() for k, v in pieces.items()}
     # vLLM's log-probs of its samples vs the trainer's before this update (the weight-sync check)
     metrics["vllm_logp_max_abs_diff"] = ((old_logps - batch["vllm_logps"]).abs() * mask).max().item()
-    return total * scale / normaliser, metrics
+    return total, metrics
 
 
 # ----------------------------------------------------------------------------------------------
@@ -446,7 +446,6 @@ class PolicyTrainer:
         log-probs). Returns the step-averaged metrics (rank 0)."""
         args, engine, ring_size = self.args, self.engine, self.args.ring.ring_attn_size
         micro = args.train.micro_train_batch_size
-        gas = accumulation_steps(args.train.train_batch_size, micro, self.world // ring_size)
         values = (["advantages", "vllm_logps"] + ([] if single_update(args) else ["old_logps"])
                   + (["ref_logps"] if args.use_kl_loss else []))
         totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
@@ -470,9 +469,8 @@ class PolicyTrainer:
             lrs.append(engine.get_lr()[0])
             step_metrics = {}
             for batch in batches:
-                loss, metrics = micro_batch_loss(engine, batch, args, normaliser, gas * self.world, self.ring)
-                engine.backward(loss)
-                grad_norm = optimizer_step(engine)
+                loss, metrics = micro_batch_loss(engine, batch, args, self.ring)
+                grad_norm = backward_step(engine, loss, normaliser)
                 vllm_diff = max(vllm_diff, metrics.pop("vllm_logp_max_abs_diff"))
                 for k, v in metrics.items():
                     step_metrics[k] = step_metrics.get(k, 0.0) + v

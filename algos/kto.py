@@ -49,9 +49,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import BadRow, DataArgs, format_prompt, format_response, get_field, validate_data_args  # noqa: E402
 from common.infra.datasets import load_tokenizer, prepare_dataset, rank0_first, tokenization_cache_key  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, create_eval_engine, create_train_engine,
+    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, create_eval_engine, create_train_engine,
     deepspeed_eval_config, device, run, init_distributed, is_rank0, load_causal_lm, load_checkpoint,
-    optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args,
+    parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args,
     world_size_from_env,
 )
 from common.packing import collate, one_row_per_batch, sharded_logps, to_device  # noqa: E402
@@ -381,14 +381,13 @@ def main(args: Args):
             labels = labels_all[idx]
             losses, rewards = kto_loss(logps, ref_logps, labels, z, args.beta, args.desirable_loss_weight,
                                        args.undesirable_loss_weight)
-            # the micro-batch mean over examples; DeepSpeed's 1/gas and rank averaging make it the step mean
-            loss = losses.mean()
             stats = {**example_stats(losses, rewards, labels, logps, ref_logps), "kl": z.item() * len(idx)}
-            if args.model.aux_loss_coef > 0:  # MoE load balancing, averaged like DeepSpeed averages it
-                loss = loss + args.model.aux_loss_coef * outputs.aux_loss
+            aux = 0.0
+            if args.model.aux_loss_coef > 0:  # MoE load balancing, a mean per micro-batch as DeepSpeed averages it
+                aux = args.model.aux_loss_coef * outputs.aux_loss
                 stats["aux_loss"] = outputs.aux_loss.item() * micro  # / step examples = mean over micro-batches
-            engine.backward(loss)
-            grad_norm = optimizer_step(engine)
+            # the step's loss: the mean over its examples, counted on every rank
+            grad_norm = backward_step(engine, losses.sum(), batch_size // dp_world * world, averaged=aux)
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
 

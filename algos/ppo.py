@@ -50,8 +50,8 @@ from common.infra.cluster import (  # noqa: E402
 )
 from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_eval_engine, create_train_engine,
-    deepspeed_eval_config, device, run, load_causal_lm, load_checkpoint,
+    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, backward_scale, create_eval_engine,
+    create_train_engine, deepspeed_eval_config, device, load_causal_lm, load_checkpoint, run,
     optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, validate_common_args,
 )
 from common.episodes import AgentArgs  # noqa: E402
@@ -564,7 +564,7 @@ class GroupMember:
             step_metrics = {}
             for batch, ptx_b in zip(batches, ptx):
                 extra = {"ptx_batch": ptx_b} if ptx_b is not None else {}
-                loss, metrics = loss_fn(engine, batch, args, normaliser, gas * self.world, self.ring, **extra)
+                loss, metrics = loss_fn(engine, batch, args, normaliser, backward_scale(engine), self.ring, **extra)
                 engine.backward(loss)
                 grad_norm = optimizer_step(engine)
                 vllm_diff = max(vllm_diff, metrics.pop("vllm_logp_max_abs_diff", 0.0))

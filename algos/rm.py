@@ -36,8 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import BadRow, DataArgs, format_prompt, format_response, get_field, validate_data_args  # noqa: E402
 from common.infra.datasets import load_tokenizer, prepare_dataset, rank0_first, tokenization_cache_key  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_train_engine, device,
-    run, init_distributed, is_rank0, load_causal_lm, load_checkpoint, optimizer_step, parse_cli,
+    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, create_train_engine, device, run,
+    init_distributed, is_rank0, load_causal_lm, load_checkpoint, parse_cli,
     save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args, world_size_from_env,
 )
 from common.packing import collate, one_row_per_batch, to_device  # noqa: E402
@@ -365,7 +365,6 @@ def main(args: Args):
     train_ds, eval_ds = rank0_first(prepare)
 
     batch_size, micro = args.train.train_batch_size, args.train.micro_train_batch_size
-    gas = accumulation_steps(batch_size, micro, dp_world)
     steps_per_epoch = len(train_ds) // batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train_ds)} training samples is fewer than --train_batch_size {batch_size}")
@@ -408,17 +407,16 @@ def main(args: Args):
         micro_batches = [to_device(make_batch(s, args, pad_id, one_row, share_prompt), device())
                          for s in micro_batches_of(train_ds, local, micro, args)]
 
-        # normaliser: pairs (or labelled steps) of the whole optimizer step, over every micro-batch and rank
-        step_units = batch_size
+        # normaliser: pairs (or labelled steps) of the whole optimizer step, over every micro-batch and rank (the
+        # ranks of a ring each count the pairs they share)
+        step_units = batch_size * args.ring.ring_attn_size
         if args.prm:
             (step_units,) = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in micro_batches)])
         lr = engine.get_lr()[0]
         totals = {}
         for batch in micro_batches:
             loss_sum, stats = forward_loss(engine, batch, args, reward_ids, ring)
-            # DeepSpeed divides by gas and averages ranks (a ring's gather backward sums its ranks' equal copies)
-            engine.backward(loss_sum * (gas * dp_world) / step_units)
-            grad_norm = optimizer_step(engine)
+            grad_norm = backward_step(engine, loss_sum, step_units)
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value
         sums = dict(zip(totals, all_reduce_sum(list(totals.values()))))

@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import BadRow, DataArgs, format_prompt, format_response, get_field, validate_data_args  # noqa: E402
 from common.infra.datasets import load_tokenizer, prepare_dataset, rank0_first, tokenization_cache_key  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, create_train_engine, device,
-    run, init_distributed, is_rank0, load_causal_lm, load_checkpoint, optimizer_step, parse_cli,
+    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, backward_step, create_train_engine, device,
+    run, init_distributed, is_rank0, load_causal_lm, load_checkpoint, parse_cli,
     save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args, world_size_from_env,
 )
 from common.packing import collate, lockstep_shard, one_row_per_batch, per_sample_sum, to_device, token_logps  # noqa: E402
@@ -210,13 +210,11 @@ def main(args: Args):
         for batch in micro_batches:
             logps, outputs = ring_token_logps(engine, batch, ring)
             nll = -(logps * batch["loss_mask"]).sum()
-            # DeepSpeed divides by the accumulation steps and averages over ranks; undo both
-            loss = nll * (gas * world) / step_tokens
-            if args.model.aux_loss_coef > 0:  # MoE load balancing, averaged like DeepSpeed averages it
-                loss = loss + args.model.aux_loss_coef * outputs.aux_loss
+            aux = 0.0
+            if args.model.aux_loss_coef > 0:  # MoE load balancing, a mean per micro-batch as DeepSpeed averages it
+                aux = args.model.aux_loss_coef * outputs.aux_loss
                 step_aux += outputs.aux_loss.item() / (gas * world)
-            engine.backward(loss)
-            grad_norm = optimizer_step(engine)
+            grad_norm = backward_step(engine, nll, step_tokens, averaged=aux)
             step_nll += nll.item()
 
         global_step = step + 1

@@ -504,6 +504,24 @@ def create_train_engine(model, train: TrainArgs, ds_config, num_training_steps, 
     return engine
 
 
+def backward_step(engine, loss_sum, normaliser, averaged=0.0):
+    """Backward of one micro-batch's part of its optimizer step's loss, then the optimizer step at an accumulation
+    boundary; returns the global gradient norm there (else None). The step's loss is the sum of every micro-batch's
+    `loss_sum` on every rank divided by `normaliser`, the step's loss units summed over the ranks the same way (the
+    ranks of a ring each count the samples they share, as each computes their loss). DeepSpeed divides each
+    micro-batch's loss by the accumulation steps and averages gradients over ranks: this is the one place that
+    undoes both. `averaged`: a term DeepSpeed's averaging already makes right (a mean per micro-batch, such as a
+    MoE router loss)."""
+    engine.backward(loss_sum * backward_scale(engine) / normaliser + averaged)
+    return optimizer_step(engine)
+
+
+def backward_scale(engine):
+    """What a loss must be multiplied by so that DeepSpeed's division by the accumulation steps and its average
+    over ranks leave the plain sum (backward_step uses it; a loss function that scales its own terms may too)."""
+    return engine.gradient_accumulation_steps() * (dist.get_world_size() if dist.is_initialized() else 1)
+
+
 def optimizer_step(engine):
     """engine.step(); at an accumulation boundary returns the global gradient norm (before
     clipping), which DeepSpeed keeps for ZeRO 1-3 and which is computed here for ZeRO-0 (and the
