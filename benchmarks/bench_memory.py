@@ -5,10 +5,11 @@ The model has Qwen2.5-0.5B's published shape (hidden 896, 24 layers, 14 query / 
 intermediate 4,864, vocab 151,936, tied embeddings), built locally with random weights; the micro-batch is one
 packed row of random token ids (several samples, as common.packing.collate lays them out for the varlen_sdpa
 kernel). One measured step is common.packing.token_logps, loss = masked mean NLL, backward (no optimizer), after
-one warm-up step. Each configuration runs in a fresh subprocess so peaks do not carry over: peak RSS
+`--warmup` unmeasured steps. Each configuration runs in a fresh subprocess so peaks do not carry over: peak RSS
 (getrusage's ru_maxrss, the process's high-water mark) on CPU, torch.cuda.max_memory_allocated on CUDA, beside the
-memory held before the step (model, gradients of the warm-up). A configuration whose estimated need exceeds the
-memory available is skipped with the estimate printed, rather than run into the kernel's OOM killer.
+memory held before the measured step (the model, and the gradients of a warm-up step). A configuration whose
+estimated need exceeds the memory available is skipped with the estimate printed, rather than run into the
+kernel's OOM killer.
 
     python benchmarks/bench_memory.py --layers 2                       # quick CPU table, 1k-8k tokens
     python benchmarks/bench_memory.py --tokens 1024 --chunks 256,1024,2048 --checkpointing off
@@ -97,7 +98,8 @@ def run_one(args):
         loss.backward()
         return loss.item()
 
-    step()  # warm-up: allocator, gradient buffers
+    for _ in range(args.warmup):  # allocator, gradient buffers
+        step()
     if cuda:
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated()
@@ -129,6 +131,7 @@ def main():
     parser.add_argument("--checkpointing", default="off,on", help="off, on or both (comma list)")
     parser.add_argument("--samples", type=int, default=8, help="samples packed into the row")
     parser.add_argument("--steps", type=int, default=1, help="measured steps after the warm-up")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (0: the peak still counts)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--no_whole", action="store_true", help="skip the whole-logits rows")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
@@ -140,7 +143,7 @@ def main():
 
     chunks = ([] if args.no_whole else [0]) + [int(c) for c in args.chunks.split(",") if c]
     print(f"Qwen2.5-0.5B shape, {args.layers} layers, vocab {SHAPE['vocab_size']}, {args.dtype}, "
-          f"{args.samples} samples per packed row, {args.steps} measured step(s) after one warm-up")
+          f"{args.samples} samples per packed row, {args.steps} measured step(s) after {args.warmup} warm-up step(s)")
     print(f"{'tokens':>7} {'ckpt':>4} {'head':>12} {'peak GB':>8} {'held GB':>8} {'tokens/s':>9}")
     for tokens in [int(t) for t in args.tokens.split(",")]:
         for ckpt in args.checkpointing.split(","):
@@ -152,7 +155,8 @@ def main():
                     continue
                 cmd = [sys.executable, os.path.abspath(__file__), "--one", "--tokens", str(tokens), "--chunk",
                        str(chunk), "--checkpointing", ckpt, "--layers", str(args.layers), "--samples",
-                       str(args.samples), "--steps", str(args.steps), "--dtype", args.dtype]
+                       str(args.samples), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                       "--dtype", args.dtype]
                 proc = subprocess.run(cmd, capture_output=True, text=True)
                 lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
                 if proc.returncode or not lines:
