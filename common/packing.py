@@ -118,10 +118,19 @@ def to_device(batch, device):
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def token_logps(model, batch, return_argmax=False):
+def token_logps(model, batch, return_argmax=False, return_entropy=False):
     """Forward a collated batch; returns (logps, outputs[, argmax]) where logps[:, t] is
     log p(input_ids[:, t] | earlier tokens of its sample) (0 at each sample's first token),
-    aligned with `loss_mask`."""
+    aligned with `loss_mask`. With `return_entropy`, `outputs.entropy` is each position's next-token entropy
+    laid out the same way (0 at column 0; differentiable).
+
+    Where `head_chunk_tokens(model)` is not 0 the LM head runs chunked (common.kernels.chunked_head): the model
+    produces no logits, and `outputs` is a HeadOutputs whose fields are the model's (aux_loss, ...) and whose
+    `logits` are computed on first read from the kept final hidden states (the whole (tokens x vocab) again, for
+    callers that still read them)."""
+    chunk = head_chunk_tokens(model)
+    if chunk:
+        return _chunked_token_logps(model, batch, chunk, return_argmax, return_entropy)
     outputs = model(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
         use_cache=False,  # with the cache on, packed rows are silently attended as one sequence
@@ -132,6 +141,8 @@ def token_logps(model, batch, return_argmax=False):
     starts = batch["position_ids"] == 0  # a sample's first token is not predicted from inside the sample
     logps = F.pad(logps, (1, 0)).masked_fill(starts, 0.0)
     hits = F.pad(logits.argmax(-1) == targets, (1, 0)) & ~starts if return_argmax else None
+    if return_entropy:
+        outputs.entropy = F.pad(_entropy(logits), (1, 0))
     branches = branch_source_logits(outputs.logits, batch)
     if branches is not None:  # a shared-prefix branch's first token: predicted from its root's prefix
         rows, tokens, source_logits = branches
@@ -140,7 +151,107 @@ def token_logps(model, batch, return_argmax=False):
         logps = logps.index_put((rows, tokens), values)
         if return_argmax:
             hits = hits.index_put((rows, tokens), source_logits.argmax(-1) == branch_targets)
+        if return_entropy:
+            outputs.entropy = outputs.entropy.index_put((rows, tokens), _entropy(source_logits))
     return (logps, outputs, hits) if return_argmax else (logps, outputs)
+
+
+def _entropy(logits):
+    logps = logits.float().log_softmax(-1)
+    return -(logps.exp() * logps).sum(-1)
+
+
+# Causal LMs whose logits are exactly `lm_head(final hidden states)` (no scaling or soft-capping) and whose
+# forward takes `logits_to_keep`; tested chunked = whole in tests/test_chunked_head.py.
+CHUNKED_HEAD_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def head_chunk_tokens(model):
+    """Tokens per chunk of the LM head for `model` (bare, in a DeepSpeed engine and / or a peft wrapper): the
+    `logps_chunk_tokens` attribute common.infra.engine.load_causal_lm sets from --logps_chunk_tokens, or 0 (whole
+    logits) where it is unset or the chunked head does not apply: a model type outside CHUNKED_HEAD_MODEL_TYPES,
+    a head that is not a plain nn.Linear (LoRA or modules_to_save on lm_head, a quantised head), or ZeRO-3 (a
+    partitioned head weight would have to be gathered in forward and again in backward, outside DeepSpeed's
+    module hooks that route its gradient to the partition)."""
+    from common.infra.reward import unwrap
+
+    hf = unwrap(model)
+    chunk = getattr(hf, "logps_chunk_tokens", 0)
+    head = getattr(hf, "lm_head", None)
+    if not chunk or getattr(hf.config, "model_type", None) not in CHUNKED_HEAD_MODEL_TYPES:
+        return 0
+    if type(head) is not torch.nn.Linear or hasattr(head.weight, "ds_id"):
+        return 0
+    return chunk
+
+
+class HeadOutputs:
+    """A model's outputs on the chunked-head path: the model's own fields (aux_loss, ...) read through, and
+    `logits` (rows, width, vocab) computed on first read as the head of the final hidden states, in the dtype
+    the head ran in."""
+
+    def __init__(self, outputs, hidden, head, dtype):
+        self._outputs, self._hidden, self._head, self._dtype, self._logits = outputs, hidden, head, dtype, None
+
+    def __getattr__(self, name):
+        return getattr(self._outputs, name)
+
+    @property
+    def logits(self):
+        if self._logits is None:
+            bias = None if self._head.bias is None else self._head.bias.to(self._dtype)
+            self._logits = F.linear(self._hidden.to(self._dtype), self._head.weight.to(self._dtype), bias)
+        return self._logits
+
+
+def _chunked_token_logps(model, batch, chunk, return_argmax, return_entropy):
+    """token_logps through common.kernels.chunked_head. The model itself is called (a DeepSpeed engine keeps its
+    autocast and hooks, peft its adapters) with an empty `logits_to_keep`, so it computes no logits; a forward
+    hook on its base model keeps the final hidden states and the autocast dtype they were made under."""
+    from common.infra.reward import unwrap
+    from common.kernels.chunked_head import chunked_head
+
+    hf = unwrap(model)
+    head, kept = hf.lm_head, {}
+
+    def keep(module, args, out):
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        kind = hidden.device.type
+        kept["hidden"] = hidden
+        kept["dtype"] = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else head.weight.dtype
+
+    input_ids = batch["input_ids"]
+    handle = getattr(hf, hf.base_model_prefix).register_forward_hook(keep)
+    try:
+        outputs = model(
+            input_ids=input_ids, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+            use_cache=False, logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device),
+        )
+    finally:
+        handle.remove()
+    hidden = kept["hidden"]
+    rows, width = input_ids.shape
+    flat, targets = hidden[:, :-1].reshape(-1, hidden.shape[-1]), input_ids[:, 1:].reshape(-1)
+    if batch.get("branch_starts"):  # a branch's first token is predicted from its root's token s - 1
+        b_rows, b_tokens, b_sources = torch.tensor(batch["branch_starts"], device=input_ids.device).unbind(1)
+        flat = torch.cat([flat, hidden[b_rows, b_sources]])
+        targets = torch.cat([targets, input_ids[b_rows, b_tokens]])
+    out = chunked_head(flat, head.weight, targets, chunk, bias=head.bias, with_entropy=return_entropy,
+                       with_argmax=return_argmax, compute_dtype=kept["dtype"])
+    n = rows * (width - 1)
+
+    def layout(values):  # (rows, width): column t about token t, branch first tokens from their sources
+        full = F.pad(values[:n].view(rows, width - 1), (1, 0))
+        return full.index_put((b_rows, b_tokens), values[n:]) if len(values) > n else full
+
+    starts = batch["position_ids"] == 0
+    logps = layout(out["logp"]).masked_fill(starts, 0.0)
+    outputs = HeadOutputs(outputs, hidden, head, kept["dtype"])
+    if return_entropy:
+        outputs.entropy = layout(out["entropy"])
+    if return_argmax:
+        return logps, outputs, layout(out["hit"]) & ~starts
+    return logps, outputs
 
 
 def branch_source_logits(logits, batch):

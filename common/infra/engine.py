@@ -54,6 +54,9 @@ class ModelArgs:
     """Load the base model in 4-bit NF4 (QLoRA; needs --lora_rank > 0)."""
     aux_loss_coef: float = 0.0
     """Coefficient of the MoE router load-balancing loss (0: off)."""
+    logps_chunk_tokens: int = 1024
+    """Tokens per chunk of the chunked LM head (common.kernels.chunked_head): per-token log-probs without the
+    whole (tokens x vocab) logits; 0: whole logits. See common.packing.head_chunk_tokens for where it applies."""
 
 
 @dataclass
@@ -423,6 +426,7 @@ def load_causal_lm(model_args: ModelArgs, ds_config=None, path=None, model_cls=N
         **kwargs,
     )
     _HF_DS_CONFIGS.clear()
+    model.logps_chunk_tokens = model_args.logps_chunk_tokens  # read by common.packing.token_logps; not exported
     if model_args.aux_loss_coef > 0:
         if not hasattr(model.config, "output_router_logits"):
             raise ValueError(f"--aux_loss_coef is set but {model.config.model_type} is not a mixture-of-experts model")
