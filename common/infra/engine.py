@@ -55,8 +55,9 @@ class ModelArgs:
     aux_loss_coef: float = 0.0
     """Coefficient of the MoE router load-balancing loss (0: off)."""
     logps_chunk_tokens: int = 1024
-    """Tokens per chunk of the chunked LM head (common.kernels.chunked_head): per-token log-probs without the
-    whole (tokens x vocab) logits; 0: whole logits. See common.packing.head_chunk_tokens for where it applies."""
+    """Tokens per chunk of the chunked LM head (common.kernels.chunked_head): a causal LM's per-token log-probs
+    without the whole (tokens x vocab) logits; 0: whole logits. Reward and value heads have no vocabulary and do
+    not use it; common.packing.head_chunk_tokens says where it falls back to whole logits."""
 
 
 @dataclass
