@@ -128,9 +128,11 @@ def token_logps(model, batch, return_argmax=False, return_entropy=False):
     produces no logits, and `outputs` is a HeadOutputs whose fields are the model's (aux_loss, ...) and whose
     `logits` are computed on first read from the kept final hidden states (the whole (tokens x vocab) again, for
     callers that still read them)."""
+    from common.kernels.chunked_head import chunked_token_logps, head_chunk_tokens
+
     chunk = head_chunk_tokens(model)
     if chunk:
-        return _chunked_token_logps(model, batch, chunk, return_argmax, return_entropy)
+        return chunked_token_logps(model, batch, chunk, return_argmax, return_entropy)
     outputs = model(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
         use_cache=False,  # with the cache on, packed rows are silently attended as one sequence
@@ -159,99 +161,6 @@ def token_logps(model, batch, return_argmax=False, return_entropy=False):
 def _entropy(logits):
     logps = logits.float().log_softmax(-1)
     return -(logps.exp() * logps).sum(-1)
-
-
-# Causal LMs whose logits are exactly `lm_head(final hidden states)` (no scaling or soft-capping) and whose
-# forward takes `logits_to_keep`; tested chunked = whole in tests/test_chunked_head.py.
-CHUNKED_HEAD_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-
-def head_chunk_tokens(model):
-    """Tokens per chunk of the LM head for `model` (bare, in a DeepSpeed engine and / or a peft wrapper): the
-    `logps_chunk_tokens` attribute common.infra.engine.load_causal_lm sets from --logps_chunk_tokens, or 0 (whole
-    logits) where it is unset or the chunked head does not apply: a model type outside CHUNKED_HEAD_MODEL_TYPES,
-    a head that is not a plain nn.Linear (LoRA or modules_to_save on lm_head, a quantised head), or ZeRO-3 (a
-    partitioned head weight would have to be gathered in forward and again in backward, outside DeepSpeed's
-    module hooks that route its gradient to the partition)."""
-    from common.infra.reward import unwrap
-
-    hf = unwrap(model)
-    chunk = getattr(hf, "logps_chunk_tokens", 0)
-    head = getattr(hf, "lm_head", None)
-    if not chunk or getattr(hf.config, "model_type", None) not in CHUNKED_HEAD_MODEL_TYPES:
-        return 0
-    if type(head) is not torch.nn.Linear or hasattr(head.weight, "ds_id"):
-        return 0
-    return chunk
-
-
-class HeadOutputs:
-    """A model's outputs on the chunked-head path: the model's own fields (aux_loss, ...) read through, and
-    `logits` (rows, width, vocab) computed on first read as the head of the final hidden states, in the dtype
-    the head ran in."""
-
-    def __init__(self, outputs, hidden, head, dtype):
-        self._outputs, self._hidden, self._head, self._dtype, self._logits = outputs, hidden, head, dtype, None
-
-    def __getattr__(self, name):
-        return getattr(self._outputs, name)
-
-    @property
-    def logits(self):
-        if self._logits is None:
-            bias = None if self._head.bias is None else self._head.bias.to(self._dtype)
-            self._logits = F.linear(self._hidden.to(self._dtype), self._head.weight.to(self._dtype), bias)
-        return self._logits
-
-
-def _chunked_token_logps(model, batch, chunk, return_argmax, return_entropy):
-    """token_logps through common.kernels.chunked_head. The model itself is called (a DeepSpeed engine keeps its
-    autocast and hooks, peft its adapters) with an empty `logits_to_keep`, so it computes no logits; a forward
-    hook on its base model keeps the final hidden states and the autocast dtype they were made under."""
-    from common.infra.reward import unwrap
-    from common.kernels.chunked_head import chunked_head
-
-    hf = unwrap(model)
-    head, kept = hf.lm_head, {}
-
-    def keep(module, args, out):
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        kind = hidden.device.type
-        kept["hidden"] = hidden
-        kept["dtype"] = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else head.weight.dtype
-
-    input_ids = batch["input_ids"]
-    handle = getattr(hf, hf.base_model_prefix).register_forward_hook(keep)
-    try:
-        outputs = model(
-            input_ids=input_ids, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-            use_cache=False, logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device),
-        )
-    finally:
-        handle.remove()
-    hidden = kept["hidden"]
-    rows, width = input_ids.shape
-    flat, targets = hidden[:, :-1].reshape(-1, hidden.shape[-1]), input_ids[:, 1:].reshape(-1)
-    if batch.get("branch_starts"):  # a branch's first token is predicted from its root's token s - 1
-        b_rows, b_tokens, b_sources = torch.tensor(batch["branch_starts"], device=input_ids.device).unbind(1)
-        flat = torch.cat([flat, hidden[b_rows, b_sources]])
-        targets = torch.cat([targets, input_ids[b_rows, b_tokens]])
-    out = chunked_head(flat, head.weight, targets, chunk, bias=head.bias, with_entropy=return_entropy,
-                       with_argmax=return_argmax, compute_dtype=kept["dtype"])
-    n = rows * (width - 1)
-
-    def layout(values):  # (rows, width): column t about token t, branch first tokens from their sources
-        full = F.pad(values[:n].view(rows, width - 1), (1, 0))
-        return full.index_put((b_rows, b_tokens), values[n:]) if len(values) > n else full
-
-    starts = batch["position_ids"] == 0
-    logps = layout(out["logp"]).masked_fill(starts, 0.0)
-    outputs = HeadOutputs(outputs, hidden, head, kept["dtype"])
-    if return_entropy:
-        outputs.entropy = layout(out["entropy"])
-    if return_argmax:
-        return logps, outputs, layout(out["hit"]) & ~starts
-    return logps, outputs
 
 
 def branch_source_logits(logits, batch):

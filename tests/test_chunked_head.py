@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.kernels.chunked_head import chunked_head
-from common.packing import collate, head_chunk_tokens, token_logps
+from common.kernels.chunked_head import chunked_head, head_chunk_tokens
+from common.packing import collate, token_logps
 
 TOL = 1e-5
 

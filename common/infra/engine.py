@@ -57,7 +57,7 @@ class ModelArgs:
     logps_chunk_tokens: int = 1024
     """Tokens per chunk of the chunked LM head (common.kernels.chunked_head): a causal LM's per-token log-probs
     without the whole (tokens x vocab) logits; 0: whole logits. Reward and value heads have no vocabulary and do
-    not use it; common.packing.head_chunk_tokens says where it falls back to whole logits."""
+    not use it; common.kernels.chunked_head.head_chunk_tokens says where it falls back to whole logits."""
 
 
 @dataclass
