@@ -56,7 +56,7 @@ from common.infra.engine import (  # noqa: E402
 )
 from common.episodes import AgentArgs  # noqa: E402
 from common.packing import collate, one_row_per_batch, to_device, unpack  # noqa: E402
-from common.infra.reward import unwrap  # noqa: E402
+from common.infra.engine import unwrap  # noqa: E402
 from common.ring_attention import (  # noqa: E402
     RingArgs, check_ring_model, ring_deepspeed_config, ring_forward, ring_next_token_values, ring_token_logps,
     setup_ring, validate_ring_args,

@@ -41,7 +41,8 @@ from common.infra.engine import (  # noqa: E402
     save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args, world_size_from_env,
 )
 from common.packing import collate, one_row_per_batch, to_device  # noqa: E402
-from common.infra.reward import lockstep_forwards, unwrap  # noqa: E402
+from common.infra.engine import unwrap  # noqa: E402
+from common.infra.reward import lockstep_forwards  # noqa: E402
 from common.ring_attention import (  # noqa: E402
     RingArgs, check_ring_model, data_parallel, ring_deepspeed_config, ring_sequence_rewards, setup_ring,
     validate_ring_args,

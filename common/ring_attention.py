@@ -333,7 +333,8 @@ def ring_sequence_rewards(model, batch, ring, value_head_prefix="score"):
     """`common.infra.reward.sequence_rewards` for a one-row batch split over `ring`: every rank's value-head outputs
     are gathered over the ring (autograd), then read at each sample's own last token. With ring None,
     common.infra.reward.sequence_rewards itself."""
-    from common.infra.reward import reward_index, sequence_rewards, unwrap
+    from common.infra.engine import unwrap
+    from common.infra.reward import reward_index, sequence_rewards
 
     if ring is None:
         return sequence_rewards(model, batch, value_head_prefix)

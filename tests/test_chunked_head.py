@@ -99,7 +99,7 @@ def test_token_logps_chunked_equals_whole(assets, kind):
     """token_logps with the chunked head (chunks of 16 over the 148 predictions of a
     144-token row with 5 branches) against whole logits:
     log-probs, argmax hits, entropy and every trainable parameter's gradient of a loss using all of them."""
-    from common.infra.reward import unwrap
+    from common.infra.engine import unwrap
 
     model = tiny(kind, assets)
     batch = batch_with_branches()

@@ -298,6 +298,12 @@ def finish(error=None):
     os._exit(0 if error is None else 1)
 
 
+def unwrap(model):
+    """The Hugging Face model inside a DeepSpeed engine and / or a peft wrapper."""
+    model = getattr(model, "module", model)  # DeepSpeed engine
+    return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+
+
 def is_rank0():
     return not dist.is_initialized() or dist.get_rank() == 0
 

@@ -20,13 +20,8 @@ each sample's own last token rather than at the end of each row.
 import torch
 import torch.distributed as dist
 
+from common.infra.engine import unwrap
 from common.packing import collate, to_device
-
-
-def unwrap(model):
-    """The Hugging Face model inside a DeepSpeed engine and / or a peft wrapper."""
-    model = getattr(model, "module", model)  # DeepSpeed engine
-    return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
 
 
 def reward_index(batch):

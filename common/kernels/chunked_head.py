@@ -128,7 +128,7 @@ def head_chunk_tokens(model):
     a head that is not a plain nn.Linear (LoRA or modules_to_save on lm_head, a quantised head), or ZeRO-3 (a
     partitioned head weight would have to be gathered in forward and again in backward, outside DeepSpeed's
     module hooks that route its gradient to the partition)."""
-    from common.infra.reward import unwrap
+    from common.infra.engine import unwrap
 
     hf = unwrap(model)
     chunk = getattr(hf, "logps_chunk_tokens", 0)
@@ -163,7 +163,7 @@ def chunked_token_logps(model, batch, chunk, return_argmax, return_entropy):
     """token_logps through common.kernels.chunked_head. The model itself is called (a DeepSpeed engine keeps its
     autocast and hooks, peft its adapters) with an empty `logits_to_keep`, so it computes no logits; a forward
     hook on its base model keeps the final hidden states and the autocast dtype they were made under."""
-    from common.infra.reward import unwrap
+    from common.infra.engine import unwrap
 
     hf = unwrap(model)
     head, kept = hf.lm_head, {}
