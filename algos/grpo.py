@@ -63,10 +63,9 @@ from common.infra.engine import (  # noqa: E402
     parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, validate_common_args,
 )
 from common.episodes import AgentArgs  # noqa: E402
-from common.packing import branch_source_logits, one_row_per_batch, to_device, unpack  # noqa: E402
+from common.packing import one_row_per_batch, to_device, unpack  # noqa: E402
 from common.ring_attention import (  # noqa: E402
-    RingArgs, check_ring_model, ring_deepspeed_config, ring_next_token_values, ring_token_logps, setup_ring,
-    validate_ring_args,
+    RingArgs, check_ring_model, ring_deepspeed_config, ring_token_logps, setup_ring, validate_ring_args,
 )
 from common.rollout import (  # noqa: E402
     AsyncArgs, RLArgs, RolloutEngineArgs, RolloutLogArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
@@ -306,23 +305,6 @@ def loss_mode(args):
     return "constant" if args.advantage_estimator == "dr_grpo" else args.loss_agg
 
 
-def token_entropy(logits, batch, ring=None):
-    """Entropy of each position's next-token distribution, aligned like common.packing.token_logps (with a
-    ring, `logits` are this rank's slice's)."""
-    def entropy(x):
-        logps = x.float().log_softmax(-1)
-        return -(logps.exp() * logps).sum(-1)
-
-    if ring is not None:
-        return ring_next_token_values(entropy(logits[0]), batch, ring)
-    out = torch.nn.functional.pad(entropy(logits[:, :-1]), (1, 0))
-    branches = branch_source_logits(logits, batch)
-    if branches is not None:  # a branch's first token is predicted from its root's prompt (make_batch)
-        rows, tokens, source_logits = branches
-        out = out.index_put((rows, tokens), entropy(source_logits))
-    return out
-
-
 def micro_batches(samples, micro, args):
     """This rank's samples of one optimizer step as its micro-batches, and how many samples were skipped. With
     --skip_zero_advantage (and no KL loss or entropy bonus) the samples whose gradient is exactly 0 are left out and
@@ -355,7 +337,7 @@ def micro_batch_loss(model, batch, args, ring=None):
     """The policy loss of one collated micro-batch, summed as the step's normaliser expects (see aggregate); returns
     (loss, metric sums). Without "old_logps" in the batch (single_update) the current log-probs stand in for them,
     detached."""
-    logps, outputs = ring_token_logps(model, batch, ring)
+    logps, outputs = ring_token_logps(model, batch, ring, return_entropy=True)
     mask = batch["loss_mask"]
     old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
@@ -369,9 +351,8 @@ def micro_batch_loss(model, batch, args, ring=None):
         kl = approx_kl(logps, batch["ref_logps"], args.kl_estimator)
         pieces["kl_loss"] = aggregate(kl, mask, batch["sample_index"], batch["num_samples"], mode)
         total = total + args.init_kl_coef * pieces["kl_loss"]
-    with torch.set_grad_enabled(args.entropy_loss_coef > 0):
-        entropy = token_entropy(outputs.logits, batch, ring)
-        pieces["entropy"] = aggregate(entropy, mask, batch["sample_index"], batch["num_samples"], mode)
+    entropy = outputs.entropy if args.entropy_loss_coef > 0 else outputs.entropy.detach()
+    pieces["entropy"] = aggregate(entropy, mask, batch["sample_index"], batch["num_samples"], mode)
     if args.entropy_loss_coef > 0:
         total = total - args.entropy_loss_coef * pieces["entropy"]
     pieces["clip_ratio"] = aggregate(clipped, mask, batch["sample_index"], batch["num_samples"], mode)

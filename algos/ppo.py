@@ -353,16 +353,6 @@ def aggregate(per_token, mask, sample_index, num_samples, mode):
     return (per_token * mask).sum()
 
 
-def token_entropy(logits, batch, ring=None):
-    """Entropy of each position's next-token distribution, aligned like common.packing.token_logps (with a
-    ring, `logits` are this rank's slice's)."""
-    logps = logits.float().log_softmax(-1)
-    entropy = -(logps.exp() * logps).sum(-1)
-    if ring is not None:
-        return ring_next_token_values(entropy[0], batch, ring)
-    return torch.nn.functional.pad(entropy[:, :-1], (1, 0))
-
-
 def single_update(args):
     """Each rollout feeds exactly one optimizer step and no KL goes into the reward: the actor's log-probs
     before the update are the update's own (ratio 1), so that forward is skipped. Never off-policy (there
@@ -384,7 +374,7 @@ def micro_batch_loss(model, batch, args, normaliser, scale=1.0, ring=None, ptx_b
     """The actor's loss of one collated micro-batch, divided by the step's normaliser (times `scale`, which
     undoes DeepSpeed's averaging), plus --ptx_coef x the LM loss of `ptx_batch` (DeepSpeed's averaging makes
     that the mean over the step's micro-batches); returns (loss, metric sums)."""
-    logps, outputs = ring_token_logps(model, batch, ring)
+    logps, outputs = ring_token_logps(model, batch, ring, return_entropy=True)
     mask = batch["loss_mask"]
     old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
@@ -400,8 +390,7 @@ def micro_batch_loss(model, batch, args, normaliser, scale=1.0, ring=None, ptx_b
     if args.use_kl_loss:
         pieces["kl_loss"] = agg(approx_kl(logps, batch["ref_logps"], args.kl_estimator))
         total = total + args.init_kl_coef * pieces["kl_loss"]
-    with torch.set_grad_enabled(args.entropy_loss_coef > 0):
-        pieces["entropy"] = agg(token_entropy(outputs.logits, batch, ring))
+    pieces["entropy"] = agg(outputs.entropy if args.entropy_loss_coef > 0 else outputs.entropy.detach())
     if args.entropy_loss_coef > 0:
         total = total - args.entropy_loss_coef * pieces["entropy"]
     pieces["clip_ratio"] = agg(clipped)

@@ -312,17 +312,20 @@ def ring_next_token_values(local, batch, ring):
     return F.pad(full, (1, 0)).masked_fill(batch["position_ids"] == 0, 0)
 
 
-def ring_token_logps(model, batch, ring, return_argmax=False):
+def ring_token_logps(model, batch, ring, return_argmax=False, return_entropy=False):
     """`common.packing.token_logps` for a one-row batch split over `ring`: the same (logps, outputs[, argmax])
-    for the whole row on every rank of the ring (`outputs` are this rank's slice's model outputs).
-    With ring None, common.packing.token_logps itself."""
+    for the whole row on every rank of the ring (`outputs` are this rank's slice's model outputs, with
+    `outputs.entropy` for the whole row when asked). With ring None, common.packing.token_logps itself."""
     if ring is None:
-        return token_logps(model, batch, return_argmax=return_argmax)
+        return token_logps(model, batch, return_argmax=return_argmax, return_entropy=return_entropy)
     outputs, input_ids, lo, hi = ring_forward(model, batch, ring)
     logits = outputs.logits[0].float()
     targets = F.pad(input_ids[0], (0, 1))[lo + 1 : hi + 1]  # next tokens, taken from the whole row
     next_logps = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
     logps = ring_next_token_values(next_logps, batch, ring)
+    if return_entropy:
+        slice_logps = logits.log_softmax(-1)
+        outputs.entropy = ring_next_token_values(-(slice_logps.exp() * slice_logps).sum(-1), batch, ring)
     if return_argmax:
         hits = ring_next_token_values((logits.argmax(-1) == targets).float(), batch, ring).detach()
         return logps, outputs, hits.bool()
