@@ -204,18 +204,6 @@ def whiten(values, min_var=1e-8):
     return ((flat - flat.mean()) * var.clamp(min=min_var).rsqrt()).float()
 
 
-def approx_kl(logps, ref_logps, estimator):
-    """Per-token KL estimate of the policy to the reference, clamped to +-10."""
-    log_ratio = logps - ref_logps
-    if estimator == "k1":
-        kl = log_ratio
-    elif estimator == "k2":
-        kl = log_ratio**2 / 2
-    else:
-        kl = torch.exp(-log_ratio) - 1 + log_ratio
-    return kl.clamp(-10, 10)
-
-
 def returns_to_go(token_rewards, gamma):
     """G_t = sum_{k >= t} gamma^(k - t) r_k of one response."""
     out, running = torch.zeros_like(token_rewards), 0.0
@@ -269,6 +257,19 @@ def sample_advantages(samples, rewards, args):
     return out
 
 
+# ---- boilerplate: actor loss terms (the same text in grpo.py and ppo.py; tests/test_boilerplate.py) ----
+def approx_kl(logps, ref_logps, estimator):
+    """Per-token KL estimate of the policy to the reference, clamped to +-10."""
+    log_ratio = logps - ref_logps
+    if estimator == "k1":
+        kl = log_ratio
+    elif estimator == "k2":
+        kl = log_ratio**2 / 2
+    else:
+        kl = torch.exp(-log_ratio) - 1 + log_ratio
+    return kl.clamp(-10, 10)
+
+
 def policy_loss(logps, old_logps, advantages, eps_low, eps_high, dual_clip=None):
     """Per-token PPO clipped loss (asymmetric bounds, optional dual clip) and a clipped-token mask."""
     ratio = torch.exp((logps - old_logps).clamp(-20, 20))
@@ -278,6 +279,7 @@ def policy_loss(logps, old_logps, advantages, eps_low, eps_high, dual_clip=None)
     if dual_clip is not None:
         loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
     return loss, (surr2 < surr1).float()
+# ---- end of boilerplate: actor loss terms ----
 
 
 def aggregate(per_token, mask, sample_index, num_samples, mode):

@@ -318,6 +318,7 @@ def explained_variance(values, returns):
     return (1 - (returns - values).var() / var).item() if var > 0 else 0.0
 
 
+# ---- boilerplate: actor loss terms (the same text in grpo.py and ppo.py; tests/test_boilerplate.py) ----
 def approx_kl(logps, ref_logps, estimator):
     """Per-token KL estimate of the policy to the reference, clamped to +-10."""
     log_ratio = logps - ref_logps
@@ -339,6 +340,7 @@ def policy_loss(logps, old_logps, advantages, eps_low, eps_high, dual_clip=None)
     if dual_clip is not None:
         loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
     return loss, (surr2 < surr1).float()
+# ---- end of boilerplate: actor loss terms ----
 
 
 def aggregate(per_token, mask, sample_index, num_samples, mode):
