@@ -44,7 +44,8 @@ def test_gpu_checks_collect_without_vllm_ray_flash_attn():
     files = sorted(glob.glob(os.path.join(ROOT, "tests", "test_*.py")))
     absent = {"vllm", "ray", "flash_attn", "ring_flash_attn"}
     left_out = {os.path.basename(f): m for f, m in gpu_test_modules.modules_left_out(files, lambda n: n not in absent)}
-    assert left_out["test_vllm_engine.py"] == ["vllm"] and left_out["test_ppo.py"] == ["ray"]
+    assert left_out["test_vllm_engine.py"] == ["vllm"]
+    assert "test_ppo.py" not in left_out  # Ray is imported inside common/infra/cluster.py's calls, not at import
     assert "test_gpu_paths.py" not in left_out and "test_packing.py" not in left_out
     assert len(left_out) < len(files) // 2
     everything = gpu_test_modules.modules_left_out(files, lambda n: True)
