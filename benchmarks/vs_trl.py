@@ -3,12 +3,21 @@ SFTTrainer (packing=bfd), DPOTrainer and GRPOTrainer, same model, same data, sam
 process each, the two sides alternating round by round so that other load slows both alike.
 
     python benchmarks/vs_trl.py --model assets/llama-10m             # TRL goes to --trl_dir, not .venv
+    python benchmarks/vs_trl.py --model_shape smollm2-135m --algos sft,dpo   # a published model's shape
+
+--model_shape builds a model of a published shape (random init) with a tokenizer of its vocabulary size (the
+tiny BPE filled up with unused tokens, launch/tiny.py's build_tokenizer), once, into the temp folder, and trains
+it instead of --model on the same data.
 
 TRL is an optional benchmark dependency: it is installed with --no-deps into --trl_dir (a scratch
 folder put on PYTHONPATH for TRL's runs only; its dependencies are the project's own transformers,
 accelerate and datasets), never into the project's environment. Without network or PyPI access the
 script says so and stops.
 
+Each side runs in its fastest mode on one CPU process. Ours: ZeRO-0 (one rank: ZeRO-2 would partition nothing
+and only add its gradient copies), a whole step's samples in one padding-free row (--micro_train_batch_size =
+--train_batch_size), the chunked LM head at its default. TRL: SFT packing=bfd (padding-free rows); DPO padded
+rows, its padding_free being switched off by TRL 1.16 itself (a warning: "temporarily unavailable").
 Both sides compute in the same precision, the best one on this machine: bf16 (ours --param_dtype bf16,
 TRL bf16=True, both CPU autocast) where the CPU multiplies bf16 natively, fp32 elsewhere (--param_dtype
 overrides both). TRL's own default, bf16=True, is ~100x slower on a CPU without native bf16 (AVX2: a
@@ -23,7 +32,7 @@ either side.
 GRPO: seconds per step of --grpo_prompts x --grpo_samples responses of at most --grpo_max_len tokens
 (one optimizer step per rollout, no reference model); ours generates with vLLM (--grpo_vllm_engines
 engines, one trainer rank), TRL with transformers' generate (its vLLM modes need CUDA). Ours trains
-with ZeRO-0 (one rank: ZeRO-2 would partition nothing and only add its gradient copies), as in SFT and DPO.
+with ZeRO-0, as in SFT and DPO.
 Both sides train on --grpo_micro samples per micro-batch (default all 128 of a step: fastest for ours,
 no slower for TRL).
 
@@ -32,8 +41,9 @@ time) ours would reach if every matmul ran at this machine's matmul rate (a 2048
 model's MLP shape, in the benchmark's precision) and nothing else cost anything. The work counted is
 6 FLOP per matmul weight per trained token (forward and backward; the embedding is a lookup, attention
 scores are left out) and, in GRPO, 2 per weight per generated token; our tokens, as our scripts lay them
-out (one prompt per DPO pair or GRPO group). Beside it: where ours stands (share of the floor) and the
-share of the floor a speed target (--target_*) needs; a target needing ~100 % cannot be met by a faster
+out (one prompt per DPO pair or GRPO group). Beside it: where each side stands (its throughput as a share of
+that floor; TRL's padded DPO rows and repeated prompts are work the floor does not count) and the share of
+the floor a speed target (--target_*) needs; a target needing ~100 % cannot be met by a faster
 implementation of the same arithmetic on this machine.
 """
 
@@ -44,7 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Optional
 
 import tyro
@@ -54,11 +64,21 @@ sys.path.insert(0, ROOT)
 
 TRL_VERSION = "1.16.0"
 
+# Published shapes (config.json of the released model), built with random weights by build_shape_model.
+MODEL_SHAPES = {
+    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5),
+}
+
 
 @dataclass
 class Args:
     model: str = "assets/llama-10m"
     """Hugging Face causal-LM directory both sides train."""
+    model_shape: Optional[Literal["smollm2-135m"]] = None
+    """Train a Llama of this published shape instead of --model: random init, a tokenizer of its vocabulary size,
+    built once into the temp folder."""
     assets: str = "assets"
     """Tiny assets folder (its data/reverse/ holds the SFT and preference data)."""
     trl_dir: str = os.path.join(tempfile.gettempdir(), f"minrlhf-trl-{TRL_VERSION}")
@@ -186,6 +206,26 @@ print(json.dumps({"step_s": (times[-1] - times[0]) / (len(times) - 1), "steps": 
 """
 
 
+def build_shape_model(name):
+    """The folder of a random-init Llama of MODEL_SHAPES[name] and its tokenizer, built on the first call."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from launch.tiny import build_tokenizer
+
+    path = os.path.join(tempfile.gettempdir(), f"minrlhf-{name}")
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        return path
+    shape = MODEL_SHAPES[name]
+    tokenizer = build_tokenizer(pad_to=shape["vocab_size"])
+    config = LlamaConfig(**shape, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    tokenizer.save_pretrained(path)  # last: its tokenizer.json marks a finished build
+    return path
+
+
 def ensure_trl(trl_dir):
     if os.path.exists(os.path.join(trl_dir, "trl", "__init__.py")):
         return
@@ -295,6 +335,8 @@ def main(args: Args):
     if not chosen or set(chosen) - {"sft", "dpo", "grpo"}:
         sys.exit(f"error: --algos takes a comma list of sft, dpo, grpo; got {args.algos!r}")
     ensure_trl(args.trl_dir)
+    if args.model_shape:
+        args = replace(args, model=build_shape_model(args.model_shape))
     dtype = args.param_dtype or ("bf16" if cpu_has_native_bf16() else "fp32")
     trl_env = {"PYTHONPATH": args.trl_dir, "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled",
                "TRL_BF16": "1" if dtype == "bf16" else "0"}
@@ -341,8 +383,9 @@ def main(args: Args):
                 results["grpo"]["trl"].append(json.loads(out.strip().splitlines()[-1])["step_s"])
             print(f"round {r + 1}: " + json.dumps({a: {s: round(v[-1], 1) for s, v in sides.items()}
                                                    for a, sides in results.items()}), flush=True)
-    print(f"\nmodel {args.model}, {args.samples} samples per run, {args.rounds} alternating rounds, CPU, "
-          f"both sides {dtype}; best: each side's best round; per round: the median of the rounds' own ratios")
+    print(f"\nmodel {args.model_shape or args.model}, {args.samples} samples per run, {args.rounds} alternating "
+          f"rounds, CPU, both sides {dtype}; best: each side's best round; per round: the median of the rounds' "
+          "own ratios")
     print(f"{'algorithm':<10} {'unit':<14} {'minrlhf':>10} {'TRL ' + TRL_VERSION:>10} {'best':>7} {'per round':>10}")
     for algo, unit in (("sft", "tokens/s"), ("dpo", "pairs/s"), ("grpo", "s/step")):
         if algo in chosen:
@@ -356,7 +399,7 @@ def main(args: Args):
     train_flop = 6 * weights  # per trained token, forward and backward
     print(f"\narithmetic floor: every matmul at {rate / 1e9:.0f} GFLOP/s ({dtype}, 2048 x {hidden} x {inner} on this "
           f"machine) and nothing else; {weights / 1e6:.2f}M matmul weights")
-    print(f"{'algorithm':<10} {'floor':>24} {'ours at':>8} {'target':>7} {'needs':>6}")
+    print(f"{'algorithm':<10} {'floor':>24} {'ours at':>8} {'TRL at':>7} {'target':>7} {'needs':>6}")
     for algo in chosen:
         ours, trl = results[algo]["ours"], results[algo]["trl"]
         if algo == "grpo":
@@ -365,15 +408,16 @@ def main(args: Args):
                 os.path.join(data, "rl_train.jsonl"), args.grpo_prompts * args.grpo_steps))
             responses = args.grpo_prompts * args.grpo_samples * statistics.mean(grpo_response_lens)
             floor = (train_flop * (args.grpo_prompts * prompt_tokens + responses) + 2 * weights * responses) / rate
-            shown, at, target = f"{floor:.2f} s/step", floor / min(ours), args.target_grpo
+            shown, at, trl_at, target = f"{floor:.2f} s/step", floor / min(ours), floor / min(trl), args.target_grpo
             needs = floor / (target * min(trl))
         else:
             per_item = 1 if algo == "sft" else mean_dpo_tokens(args, pref_data)
             floor = rate / (train_flop * per_item)
-            shown, at = f"{floor:,.1f} {'tokens/s' if algo == 'sft' else 'pairs/s'}", max(ours) / floor
+            shown, at, trl_at = (f"{floor:,.1f} {'tokens/s' if algo == 'sft' else 'pairs/s'}", max(ours) / floor,
+                                 max(trl) / floor)
             target = args.target_sft if algo == "sft" else args.target_dpo
             needs = target * max(trl) / floor
-        print(f"{algo:<10} {shown:>24} {at:>7.0%} {target:>6.2f}x {needs:>6.0%}")
+        print(f"{algo:<10} {shown:>24} {at:>7.0%} {trl_at:>7.0%} {target:>6.2f}x {needs:>6.0%}")
 
 
 if __name__ == "__main__":

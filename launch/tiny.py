@@ -158,8 +158,9 @@ def write_task_data(out_dir, task, n_train=2000, n_test=200, seed=0):
 # ----------------------------------------------------------------------------------------------
 # Tokenizer and models
 # ----------------------------------------------------------------------------------------------
-def build_tokenizer(vocab_size=512):
-    """Byte-level BPE trained on text from all tasks, wrapped as a PreTrainedTokenizerFast."""
+def build_tokenizer(vocab_size=512, pad_to=0):
+    """Byte-level BPE trained on text from all tasks, wrapped as a PreTrainedTokenizerFast; with `pad_to`, unused
+    added tokens fill it up to that many ids (a real model's vocabulary size, for models of a published shape)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -175,10 +176,12 @@ def build_tokenizer(vocab_size=512):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>", chat_template=CHAT_TEMPLATE,
         model_max_length=512,
     )
+    tokenizer.add_tokens([f"<|unused_{i}|>" for i in range(len(tokenizer), pad_to)])
+    return tokenizer
 
 
 def build_model(name, tokenizer, seed=0):
