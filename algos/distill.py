@@ -36,6 +36,13 @@ of every row's token ids and loss mask, in order), K, the vocabulary size, the d
 attention kernel.  Raw logits are
 stored, so one cache serves every --temperature, --divergence and --kd_coef.
 
+Memory: at a real vocabulary the (response tokens x vocabulary) logits of student and teacher dominate a
+micro-batch, so by default (--logps_chunk_tokens, see common.kernels.chunked_head) neither model makes them: both
+keep their final hidden states at the response positions, and the KD and CE terms are computed per chunk of tokens
+from both heads' logits of that chunk, backward recomputing the chunk; --logps_chunk_tokens 0 is the whole-logits
+path. Whole logits remain where the chunked head does not apply (head_chunk_tokens: ZeRO-3, LoRA on the head, other
+model types), for the student under --ring_attn_size > 1, and in a --teacher_cache with K = 0 (all logits, stored).
+
 On-policy (--lmbda > 0): at each step, with probability --lmbda (the same draw on every rank), rank 0
 pushes the student's weights into its in-process vLLM engine (WeightSync), samples one response per
 prompt of the whole step (all ranks' prompts, gathered), and shares them; the teacher scores them token
@@ -68,6 +75,7 @@ from common.infra.engine import (  # noqa: E402
     save_checkpoint, save_hf_model, script_ckpt_args, set_seed, uses_bf16, validate_common_args, world_size_from_env,
 )
 from common.packing import collate, lockstep_shard, one_row_per_batch, to_device  # noqa: E402
+from common.kernels.chunked_head import head_chunk_tokens, head_logits_at, map_logit_chunks  # noqa: E402
 from common.infra.gpu import check_weight_sync_model  # noqa: E402
 from common.kernels.varlen_attention import default_attn_implementation  # noqa: E402
 from common.ring_attention import (  # noqa: E402
@@ -233,25 +241,41 @@ def response_positions(batch):
 
 
 def response_logits(model, batch):
-    """(logits (N, V) in float32, targets (N,), loss tokens per sample) for the N loss tokens."""
+    """(logits, targets (N,), loss tokens per sample) for the N loss tokens: logits[s:e] are tokens s..e-1's
+    float32 logits (e - s, V). Where the model's LM head runs chunked (head_chunk_tokens, --logps_chunk_tokens),
+    logits is a HeadLogits that makes them on request from the final hidden states, never (N, V) at once; else the
+    (N, V) tensor itself."""
+    rows, cols, counts = response_positions(batch)
+    targets = batch["input_ids"][rows, cols + 1]
+    if head_chunk_tokens(model):
+        return head_logits_at(model, batch, rows, cols), targets, counts
     outputs = model(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
         use_cache=False,  # with the cache on, packed rows are silently attended as one sequence
     )
-    rows, cols, counts = response_positions(batch)
-    return outputs.logits[rows, cols].float(), batch["input_ids"][rows, cols + 1], counts
+    return outputs.logits[rows, cols].float(), targets, counts
+
+
+@torch.no_grad()
+def teacher_logits(teacher, batch):
+    """The frozen teacher's logits of the loss tokens, as response_logits gives them (detached)."""
+    return response_logits(teacher, batch)[0].detach()
+
+
+def top_k_logits(logits, top_k, vocab):
+    """Teacher logits over the shared vocabulary: (values (n, K), ids (n, K)) of the top_k, else (all (n, vocab),
+    None)."""
+    logits = logits[:, :vocab]
+    return logits.topk(top_k, dim=-1) if top_k else (logits, None)
 
 
 @torch.no_grad()
 def teacher_targets(teacher, batch, top_k, vocab):
-    """The teacher's logits of the loss tokens over the shared vocabulary: (values (N, K), ids (N, K))
-    with top_k, else (all logits (N, vocab), None)."""
+    """What the teacher cache stores for a batch: top_k_logits of the loss tokens (a chunk at a time) and loss
+    tokens per sample."""
     logits, _, counts = response_logits(teacher, batch)
-    logits = logits[:, :vocab]
-    if top_k:
-        values, ids = logits.topk(top_k, dim=-1)
-        return values, ids, counts
-    return logits, None, counts
+    values, ids = map_logit_chunks(logits, lambda chunk, s, e: top_k_logits(chunk, top_k, vocab))
+    return values, ids, counts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,12 +308,23 @@ def ce_weight(args: Args, on_policy):
     return 0.0 if on_policy else 1 - args.kd_coef
 
 
-def token_losses(student_logits, targets, teacher_logits, teacher_ids, args: Args, vocab):
-    """Per-token (KD term, CE) over the loss tokens; the KD term on the shared vocabulary."""
-    kd = divergence(student_logits[:, :vocab], teacher_logits, teacher_ids, args.divergence, args.jsd_beta,
-                    args.temperature)
-    ce = torch.logsumexp(student_logits, -1) - student_logits.gather(-1, targets[:, None]).squeeze(-1)
-    return kd, ce
+def token_losses(student_logits, targets, teacher, args: Args, vocab):
+    """Per-token (KD term, CE, argmax hit) over the loss tokens; the KD term on the shared vocabulary.
+    `student_logits` as response_logits gives them; `teacher`: the live teacher's logits of the same tokens
+    (teacher_logits) or the cache's (values, ids) (stack_cached). Computed a chunk of tokens at a time where the
+    student's head runs chunked (map_logit_chunks: backward recomputes each chunk)."""
+
+    def chunk_losses(logits, s, e):  # logits: the student's, float32 (e - s, V), of loss tokens s..e-1
+        if isinstance(teacher, tuple):
+            t_values, t_ids = (None if t is None else t[s:e] for t in teacher)
+        else:
+            t_values, t_ids = top_k_logits(teacher[s:e], args.teacher_top_k, vocab)
+        kd = divergence(logits[:, :vocab], t_values, t_ids, args.divergence, args.jsd_beta, args.temperature)
+        t = targets[s:e]
+        ce = torch.logsumexp(logits, -1) - logits.gather(-1, t[:, None]).squeeze(-1)
+        return kd, ce, logits.argmax(-1) == t
+
+    return map_logit_chunks(student_logits, chunk_losses)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,15 +421,12 @@ def evaluate(engine, teacher, eval_ds, eval_cache, args, batch_fn, vocab):
         chunk, valid = padded[start : start + micro], mine[start : start + micro]
         batch = to_device(batch_fn(samples_of(eval_ds, chunk)), device())
         logits, targets, counts = response_logits(engine, batch)
-        if eval_cache is not None:
-            t_values, t_ids = stack_cached(eval_cache, chunk)
-        else:
-            t_values, t_ids, _ = teacher_targets(teacher, batch, args.teacher_top_k, vocab)
-        kd, ce = token_losses(logits, targets, t_values, t_ids, args, vocab)
+        t = stack_cached(eval_cache, chunk) if eval_cache is not None else teacher_logits(teacher, batch)
+        kd, ce, hit = token_losses(logits, targets, t, args, vocab)
         n = int(counts[: len(valid)].sum())  # the padding repeats item 0: count only real items
         kd_sum += kd[:n].sum().item()
         nll += ce[:n].sum().item()
-        correct += (logits[:n].argmax(-1) == targets[:n]).sum().item()
+        correct += hit[:n].sum().item()
         tokens += n
     kd_sum, nll, tokens, correct = all_reduce_sum([kd_sum, nll, tokens, correct])
     engine.train()
@@ -473,7 +505,8 @@ def main(args: Args):
         nonlocal teacher
         if teacher is None:
             config = deepspeed_eval_config(args.train, world, offload=args.teacher_offload)
-            teacher_args = ModelArgs(pretrain=args.teacher_model, attn_implementation=args.model.attn_implementation)
+            teacher_args = ModelArgs(pretrain=args.teacher_model, attn_implementation=args.model.attn_implementation,
+                                     logps_chunk_tokens=args.model.logps_chunk_tokens)
             teacher = create_eval_engine(load_causal_lm(teacher_args, config), config)
         return teacher
 
@@ -550,17 +583,15 @@ def main(args: Args):
         for chunk, batch in zip(chunks, micro_batches):
             logits, targets, counts = (ring_response_logits(engine, batch, ring) if ring else
                                        response_logits(engine, batch))
-            if train_cache is not None:
-                t_values, t_ids = stack_cached(train_cache, [local[j] for j in chunk])
-            else:
-                t_values, t_ids, _ = teacher_targets(teacher, batch, args.teacher_top_k, vocab)
-            kd, ce = token_losses(logits, targets, t_values, t_ids, args, vocab)
+            t = (stack_cached(train_cache, [local[j] for j in chunk]) if train_cache is not None else
+                 teacher_logits(teacher, batch))
+            kd, ce, _ = token_losses(logits, targets, t, args, vocab)
             grad_norm = backward_step(engine, args.kd_coef * kd.sum() + ce_weight(args, on_policy) * ce.sum(),
                                       step_tokens)
             step_kd += kd.sum().item()
             step_nll += ce.sum().item()
             if on_policy:  # vLLM's log-probs of its samples vs the trainer's: the sync worked if they agree
-                sampled = torch.tensor([lp for j in chunk for lp in vllm_logps[j]], device=logits.device)
+                sampled = torch.tensor([lp for j in chunk for lp in vllm_logps[j]], device=ce.device)
                 step_gap = max(step_gap, (sampled + ce.detach()).abs().max().item() if len(sampled) else 0.0)
 
         global_step = step + 1

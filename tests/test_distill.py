@@ -1,6 +1,7 @@
-"""algos/distill.py: divergences against hand-computed values, packed = padded, cached teacher = live
-teacher, resume = uninterrupted, a trained 10M teacher distilled into an untrained 0.5M student
-(off-policy), on-policy GKD with a vLLM engine synced every step under torchrun, and argument errors."""
+"""algos/distill.py: divergences against hand-computed values, packed = padded, chunked heads = whole logits (every
+loss kind and gradient), cached teacher = live teacher, resume = uninterrupted, a trained 10M teacher distilled into
+an untrained 0.5M student (off-policy), on-policy GKD with a vLLM engine synced every step under torchrun, and
+argument errors."""
 
 import os
 import shutil
@@ -77,9 +78,8 @@ def test_packed_equals_padded(assets):
         batch = distill.collate(samples, tokenizer.pad_token_id, packing=packing, max_tokens=128)
         with torch.no_grad():
             logits, targets, counts = distill.response_logits(student, batch)
-            t_values, t_ids, _ = distill.teacher_targets(teacher, batch, args.teacher_top_k, vocab)
-            out[packing] = (*distill.token_losses(logits, targets, t_values, t_ids, args, vocab), targets, counts,
-                            batch["input_ids"].shape[0])
+            kd, ce, _ = distill.token_losses(logits, targets, distill.teacher_logits(teacher, batch), args, vocab)
+            out[packing] = (kd, ce, targets, counts, batch["input_ids"].shape[0])
     (kd_p, ce_p, tg_p, c_p, rows_p), (kd_u, ce_u, tg_u, c_u, rows_u) = out[True], out[False]
     assert rows_p < rows_u == 12  # packing did pack
     assert torch.equal(tg_p, tg_u) and torch.equal(c_p, c_u)
@@ -87,6 +87,81 @@ def test_packed_equals_padded(assets):
     assert (kd_p - kd_u).abs().max() <= 1e-4 and (ce_p - ce_u).abs().max() <= 1e-4
     print(f"packed vs padded: kd max diff {(kd_p - kd_u).abs().max():.2e}, ce {(ce_p - ce_u).abs().max():.2e}")
     assert kd_p.mean() > 1e-3 and ce_p.mean() > 5  # a real divergence (untrained models: near uniform), not zeros
+
+
+@pytest.fixture
+def one_thread():
+    """One OpenMP thread for a test of many small matmuls: two spin-waiting against other processes on the
+    2-core test machine made such a test several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("student_kind", ["llama-0.5m", "qwen2-0.5m-tied"])
+def test_chunked_losses_equal_whole_logits(assets, student_kind, one_thread):
+    """Every loss kind with the heads chunked (16 of the 60 loss tokens at a time, both models) equals whole logits
+    in fp32 to 1e-5: per-token KD, CE and argmax hits, and every student gradient (the head weight, tied to the
+    embeddings on the Qwen2 student, and all below it, which the final hidden states' gradient reaches); the
+    teacher gets no gradient. Teacher llama-10m (hidden 256), its head scaled x20 so its distributions are far from
+    the students' near-uniform ones (KD ~1, not ~0.05). Neither model's lm_head sees a token when chunked. ~5 s."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.kernels.chunked_head import HeadLogits
+    from launch.tiny import build_assets
+
+    distill = load_algo("distill")
+    build_assets(assets, models=("llama-10m",))
+    tokenizer = AutoTokenizer.from_pretrained(f"{assets}/llama-0.5m")
+    samples, args = reverse_samples(distill, tokenizer, f"{assets}/data/reverse/sft_train.jsonl", 8)
+    batch = distill.collate(samples, tokenizer.pad_token_id, max_tokens=128)
+    vocab, n = len(tokenizer), int(batch["loss_mask"].sum())
+    assert n == 60 and n % 16
+    student = AutoModelForCausalLM.from_pretrained(f"{assets}/{student_kind.removesuffix('-tied')}",
+                                                   attn_implementation="sdpa")
+    if student_kind.endswith("-tied"):  # the head is the embedding matrix: its gradient sums both uses
+        student.lm_head.weight = student.model.embed_tokens.weight
+    teacher = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-10m", attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(20)
+    head_tokens = []  # tokens through either model's lm_head module (0 on the chunked path: no logits made)
+    for model in (student, teacher):
+        model.lm_head.register_forward_hook(lambda m, i, out: head_tokens.append(out.shape[:-1].numel()))
+    weights = torch.linspace(0.5, 1.5, n)  # per-token loss weights: every token's gradient on another scale
+    cases = [("forward_kl", 0.5, 1.0, 0, False), ("reverse_kl", 0.5, 2.0, 0, False), ("jsd", 0.3, 1.0, 0, False),
+             ("jsd", 0.3, 2.0, 16, False), ("forward_kl", 0.5, 2.0, 16, True), ("reverse_kl", 0.5, 1.0, 0, True)]
+    for kind, beta, temperature, top_k, cached in cases:
+        args.divergence, args.jsd_beta, args.temperature, args.teacher_top_k = kind, beta, temperature, top_k
+        results = []
+        for chunk in (0, 16):
+            student.logps_chunk_tokens = teacher.logps_chunk_tokens = chunk
+            student.zero_grad()
+            head_tokens.clear()
+            logits, targets, _ = distill.response_logits(student, batch)
+            if cached:  # what the cache stores, made chunked or whole
+                values, ids, _ = distill.teacher_targets(teacher, batch, top_k, vocab)
+                t = (values, ids)
+            else:
+                t = distill.teacher_logits(teacher, batch)
+                assert isinstance(t, HeadLogits) == (chunk > 0) and isinstance(logits, HeadLogits) == (chunk > 0)
+            kd, ce, hit = distill.token_losses(logits, targets, t, args, vocab)
+            ((weights * (0.7 * kd + 0.3 * ce)).sum() / n).backward()  # a token mean, as in training
+            assert all(p.grad is None for p in teacher.parameters())
+            assert (max(head_tokens) == 0) == (chunk > 0), head_tokens
+            grads = {name: p.grad.clone() for name, p in student.named_parameters()}
+            results.append((kd.detach(), ce.detach(), hit, t, grads))
+        (kd, ce, hit, t, grads), (c_kd, c_ce, c_hit, c_t, c_grads) = results
+        case = (kind, beta, temperature, top_k, cached)
+        assert kd.mean() > 0.3 and ce.mean() > 5, case  # real divergences: a peaked teacher, near-uniform students
+        assert (c_kd - kd).abs().max() <= 1e-5 and (c_ce - ce).abs().max() <= 1e-5 and torch.equal(c_hit, hit), case
+        if cached:
+            assert (c_t[0] - t[0]).abs().max() <= 1e-5 and (t[1] is None or torch.equal(c_t[1], t[1])), case
+        for name, g in grads.items():
+            assert (c_grads[name] - g).abs().max() <= 1e-5, (case, name)
+        worst = max((c_grads[k] - g).abs().max().item() for k, g in grads.items())
+        print(f"{student_kind} {case}: kd {kd.mean():.3f}, max diff kd {(c_kd - kd).abs().max():.1e}, "
+              f"ce {(c_ce - ce).abs().max():.1e}, gradients {worst:.1e}")
 
 
 def test_cached_teacher_equals_live(assets, tmp_path):

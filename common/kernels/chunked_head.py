@@ -11,10 +11,18 @@ more head matmul per chunk in backward (the whole path keeps its logits instead)
 
 The log-softmax math runs in fp32 whatever the input dtype, as the whole-logits path casts `.float()`; the head
 matmul itself runs in `compute_dtype` (the autocast dtype the model's forward ran under, else the weight's).
+
+For other losses over the whole distribution (distillation's divergences, teacher and student together), HeadLogits
+and map_logit_chunks give the same memory bound: the loss is a per-chunk function of the chunk's logits, run under
+torch.utils.checkpoint so backward recomputes the chunk.
 """
+
+import dataclasses
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 class ChunkedHead(torch.autograd.Function):
@@ -206,3 +214,78 @@ def chunked_token_logps(model, batch, chunk, return_argmax, return_entropy):
     if return_argmax:
         return logps, outputs, layout(out["hit"]) & ~starts
     return logps, outputs
+
+
+# ----------------------------------------------------------------------------------------------
+# Logits made a chunk at a time for losses other than token_logps' (distillation's divergences)
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class HeadLogits:
+    """An LM head's logits of chosen tokens, never made whole: `logits[s:e]` computes tokens s..e-1's (e - s, vocab)
+    float32 logits from their final hidden states and the head; map_logit_chunks visits them `chunk_tokens` at a
+    time. It stands where a (tokens, vocab) logits tensor would."""
+
+    hidden: torch.Tensor  # (tokens, hidden width): the final hidden states that predict them
+    weight: torch.Tensor  # (vocab, hidden width)
+    bias: Optional[torch.Tensor]
+    dtype: torch.dtype  # of the head matmul: the autocast dtype the model's forward ran under, else the weight's
+    chunk_tokens: int
+
+    def __len__(self):
+        return self.hidden.shape[0]
+
+    def __getitem__(self, tokens: slice):
+        bias = None if self.bias is None else self.bias.to(self.dtype)
+        return F.linear(self.hidden[tokens].to(self.dtype), self.weight.to(self.dtype), bias).float()
+
+    def detach(self):
+        return dataclasses.replace(self, hidden=self.hidden.detach(), weight=self.weight.detach(),
+                                   bias=None if self.bias is None else self.bias.detach())
+
+
+def head_logits_at(model, batch, rows, cols):
+    """HeadLogits of `model` (bare, in a DeepSpeed engine and / or a peft wrapper; head_chunk_tokens(model) > 0) at
+    positions (rows, cols) of a collated batch, in chunks of head_chunk_tokens(model). The model is called with an
+    empty `logits_to_keep`, so it computes no logits; a forward hook on its base model keeps the final hidden states
+    and the autocast dtype they were made under."""
+    from common.infra.engine import unwrap
+
+    hf = unwrap(model)
+    head, kept = hf.lm_head, {}
+
+    def keep(module, args, out):
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        kind = hidden.device.type
+        kept["hidden"] = hidden
+        kept["dtype"] = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else head.weight.dtype
+
+    input_ids = batch["input_ids"]
+    handle = getattr(hf, hf.base_model_prefix).register_forward_hook(keep)
+    try:
+        model(input_ids=input_ids, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+              use_cache=False, logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
+    finally:
+        handle.remove()
+    return HeadLogits(kept["hidden"][rows, cols], head.weight, head.bias, kept["dtype"], head_chunk_tokens(model))
+
+
+def map_logit_chunks(logits, fn):
+    """fn over the tokens of `logits`, concatenated: fn(chunk, s, e) takes tokens s..e-1's float32 logits
+    (e - s, vocab) and returns a tuple of per-token tensors (e - s, ...) or Nones (which stay None). A (tokens,
+    vocab) tensor goes to fn whole; a HeadLogits goes a chunk at a time, each under torch.utils.checkpoint where
+    gradients flow, so the chunk's logits and fn's temporaries are freed after forward and recomputed in backward:
+    the extra memory is O(chunk x vocab), the price the head's matmul once more per chunk (and any fn makes, such as
+    a live teacher's logits)."""
+    if torch.is_tensor(logits):
+        return tuple(fn(logits, 0, len(logits)))
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                            for t in (logits.hidden, logits.weight, logits.bias))
+    parts = []
+    for s in range(0, len(logits), logits.chunk_tokens):
+        e = min(s + logits.chunk_tokens, len(logits))
+        if grads:  # no randomness in a head and a loss: the RNG state need not be kept for the recompute
+            parts.append(checkpoint(lambda s=s, e=e: tuple(fn(logits[s:e], s, e)), use_reentrant=False,
+                                    preserve_rng_state=False))
+        else:
+            parts.append(tuple(fn(logits[s:e], s, e)))
+    return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))
