@@ -316,13 +316,13 @@ def token_losses(student_logits, targets, teacher, args: Args, vocab):
 
     def chunk_losses(logits, s, e):  # logits: the student's, float32 (e - s, V), of loss tokens s..e-1
         if isinstance(teacher, tuple):
-            t_values, t_ids = (None if t is None else t[s:e] for t in teacher)
+            t_values, t_ids = (None if cached is None else cached[s:e] for cached in teacher)
         else:
             t_values, t_ids = top_k_logits(teacher[s:e], args.teacher_top_k, vocab)
         kd = divergence(logits[:, :vocab], t_values, t_ids, args.divergence, args.jsd_beta, args.temperature)
-        t = targets[s:e]
-        ce = torch.logsumexp(logits, -1) - logits.gather(-1, t[:, None]).squeeze(-1)
-        return kd, ce, logits.argmax(-1) == t
+        target = targets[s:e]
+        ce = torch.logsumexp(logits, -1) - logits.gather(-1, target[:, None]).squeeze(-1)
+        return kd, ce, logits.argmax(-1) == target
 
     return map_logit_chunks(student_logits, chunk_losses)
 
@@ -421,8 +421,8 @@ def evaluate(engine, teacher, eval_ds, eval_cache, args, batch_fn, vocab):
         chunk, valid = padded[start : start + micro], mine[start : start + micro]
         batch = to_device(batch_fn(samples_of(eval_ds, chunk)), device())
         logits, targets, counts = response_logits(engine, batch)
-        t = stack_cached(eval_cache, chunk) if eval_cache is not None else teacher_logits(teacher, batch)
-        kd, ce, hit = token_losses(logits, targets, t, args, vocab)
+        from_teacher = stack_cached(eval_cache, chunk) if eval_cache is not None else teacher_logits(teacher, batch)
+        kd, ce, hit = token_losses(logits, targets, from_teacher, args, vocab)
         n = int(counts[: len(valid)].sum())  # the padding repeats item 0: count only real items
         kd_sum += kd[:n].sum().item()
         nll += ce[:n].sum().item()
@@ -583,9 +583,9 @@ def main(args: Args):
         for chunk, batch in zip(chunks, micro_batches):
             logits, targets, counts = (ring_response_logits(engine, batch, ring) if ring else
                                        response_logits(engine, batch))
-            t = (stack_cached(train_cache, [local[j] for j in chunk]) if train_cache is not None else
-                 teacher_logits(teacher, batch))
-            kd, ce, _ = token_losses(logits, targets, t, args, vocab)
+            from_teacher = (stack_cached(train_cache, [local[j] for j in chunk]) if train_cache is not None else
+                            teacher_logits(teacher, batch))
+            kd, ce, _ = token_losses(logits, targets, from_teacher, args, vocab)
             grad_norm = backward_step(engine, args.kd_coef * kd.sum() + ce_weight(args, on_policy) * ce.sum(),
                                       step_tokens)
             step_kd += kd.sum().item()
