@@ -8,9 +8,11 @@ both stand-ins are shown to ring-flash-attn as flash_attn only while it imports.
 `ring_token_logps` pads a one-row micro-batch to a multiple of the ring size, forwards this rank's slice with its
 global position ids (next-token targets taken before the split; sample boundaries passed as the `ring_params`
 call keyword) and all-gathers the log-probs with an autograd all-gather: it returns what
-`common.packing.token_logps` returns for the whole row. DeepSpeed counts every rank as data-parallel, so it gets
-`train_batch_size x ring size`; a loss normalised by a token count all-reduced over the world needs no change
-(the gather's backward sums ring-size equal copies of each gradient, which that count cancels).
+`common.packing.token_logps` returns for the whole row, through the chunked LM head (common.kernels.chunked_head)
+where token_logps would take it (the slice's tokens through the head, their targets from the whole row).
+DeepSpeed counts every rank as data-parallel, so it gets `train_batch_size x ring size`; a loss normalised by a
+token count all-reduced over the world needs no change (the gather's backward sums ring-size equal copies of each
+gradient, which that count cancels).
 """
 
 import dataclasses
@@ -24,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from common.kernels.chunked_head import forward_without_logits, head_chunk_tokens, head_token_values
 from common.packing import per_sample_sum, token_logps
 from common.kernels.varlen_attention import cu_seqlens_from_position_ids, varlen_attention_forward, varlen_backward
 from common.kernels.varlen_attention import varlen_forward
@@ -282,9 +285,10 @@ def _gather(x, ring):
     return all_gather_single_autograd(x.contiguous(), 0, ring.group)
 
 
-def ring_forward(model, batch, ring):
+def ring_forward(model, batch, ring, without_logits=False):
     """Forward this rank's slice of a one-row batch padded to a multiple of the ring size; returns the model
-    outputs, the padded row's input ids and the slice bounds [lo, hi)."""
+    outputs, the padded row's input ids and the slice bounds [lo, hi). `without_logits`: the model makes no
+    logits and the outputs are common.kernels.chunked_head's HeadOutputs (the slice's final hidden states)."""
     input_ids, position_ids = batch["input_ids"], batch["position_ids"]
     if input_ids.shape[0] != 1 or batch.get("attention_mask") is not None:
         raise ValueError("--ring_attn_size: each micro-batch must be one packed row (collate(..., one_row=True))")
@@ -299,8 +303,9 @@ def ring_forward(model, batch, ring):
     cu_q, cu_k, max_q, max_k, k_slice = prepare(cu_seqlens, True, ring.rank, ring.size)
     params = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q, "max_seqlen_k": max_k,
               "local_k_slice": k_slice, "heads_k_stride": ring.head_stride, "group": ring.group}
-    outputs = model(input_ids=input_ids[:, lo:hi], position_ids=position_ids[:, lo:hi], attention_mask=None,
-                    use_cache=False, ring_params=params)
+    inputs = dict(input_ids=input_ids[:, lo:hi], position_ids=position_ids[:, lo:hi], attention_mask=None,
+                  use_cache=False, ring_params=params)
+    outputs = forward_without_logits(model, **inputs) if without_logits else model(**inputs)
     return outputs, input_ids, lo, hi
 
 
@@ -315,19 +320,31 @@ def ring_next_token_values(local, batch, ring):
 def ring_token_logps(model, batch, ring, return_argmax=False, return_entropy=False):
     """`common.packing.token_logps` for a one-row batch split over `ring`: the same (logps, outputs[, argmax])
     for the whole row on every rank of the ring (`outputs` are this rank's slice's model outputs, with
-    `outputs.entropy` for the whole row when asked). With ring None, common.packing.token_logps itself."""
+    `outputs.entropy` for the whole row when asked). Where head_chunk_tokens(model) is not 0 the slice's LM head
+    runs chunked, as in token_logps (`outputs` a HeadOutputs, the slice's logits computed on read). With ring None,
+    common.packing.token_logps itself."""
     if ring is None:
         return token_logps(model, batch, return_argmax=return_argmax, return_entropy=return_entropy)
-    outputs, input_ids, lo, hi = ring_forward(model, batch, ring)
-    logits = outputs.logits[0].float()
+    chunk = head_chunk_tokens(model)
+    outputs, input_ids, lo, hi = ring_forward(model, batch, ring, without_logits=bool(chunk))
     targets = F.pad(input_ids[0], (0, 1))[lo + 1 : hi + 1]  # next tokens, taken from the whole row
-    next_logps = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
-    logps = ring_next_token_values(next_logps, batch, ring)
+    if chunk:
+        values = head_token_values(outputs, outputs.final_hidden[0], targets, chunk, with_entropy=return_entropy,
+                                   with_argmax=return_argmax)
+    else:
+        logits = outputs.logits[0].float()
+        lse = torch.logsumexp(logits, -1)
+        values = {"logp": logits.gather(-1, targets[:, None]).squeeze(-1) - lse}
+        if return_entropy:
+            slice_logps = logits.log_softmax(-1)
+            values["entropy"] = -(slice_logps.exp() * slice_logps).sum(-1)
+        if return_argmax:
+            values["hit"] = logits.argmax(-1) == targets
+    logps = ring_next_token_values(values["logp"], batch, ring)
     if return_entropy:
-        slice_logps = logits.log_softmax(-1)
-        outputs.entropy = ring_next_token_values(-(slice_logps.exp() * slice_logps).sum(-1), batch, ring)
+        outputs.entropy = ring_next_token_values(values["entropy"], batch, ring)
     if return_argmax:
-        hits = ring_next_token_values((logits.argmax(-1) == targets).float(), batch, ring).detach()
+        hits = ring_next_token_values(values["hit"].float(), batch, ring).detach()
         return logps, outputs, hits.bool()
     return logps, outputs
 
