@@ -180,8 +180,9 @@ def head_chunk_tokens(model):
 
 def uses_head_module(head):
     """Whether the chunked head must call the head module (module_chunked_head) rather than read its weight
-    (ChunkedHead, measured faster): a head that is not a plain nn.Linear (a peft wrapper), or one whose weight
-    DeepSpeed ZeRO-3 partitions (`ds_id`)."""
+    (ChunkedHead, whose backward recomputes only each chunk's matmul, not an autograd graph of the log-softmax): a
+    head that is not a plain nn.Linear (a peft wrapper), or one whose weight DeepSpeed ZeRO-3 partitions
+    (`ds_id`)."""
     return type(head) is not torch.nn.Linear or any(hasattr(p, "ds_id") for p in head.parameters())
 
 
