@@ -53,26 +53,22 @@ sys.path.insert(0, ROOT)
 from common.infra.datasets import load_tokenizer  # noqa: E402
 from common.infra.cluster import (  # noqa: E402
     environment, join_group, load_prompts, off_policy, reference_args, rendezvous_address, reward_function,
-    rollout_steps, start_engines, start_group, start_ray, start_reward_models, trainer_bundles, validate_rollout_args,
-    weight_sync,
+    resolve_rollout_args, rollout_steps, start_engines, start_group, start_ray, start_reward_models, trainer_bundles,
+    validate_rollout_args, weight_sync,
 )
 from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, create_eval_engine, create_train_engine,
-    deepspeed_eval_config, device, run, load_causal_lm, load_checkpoint,
-    parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, validate_common_args,
+    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, device, frozen_engine, load_checkpoint, parse_cli,
+    run, save_checkpoint, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args,
 )
 from common.episodes import AgentArgs  # noqa: E402
-from common.packing import one_row_per_batch, to_device, unpack  # noqa: E402
-from common.ring_attention import (  # noqa: E402
-    RingArgs, check_ring_model, ring_deepspeed_config, ring_token_logps, setup_ring, validate_ring_args,
-)
+from common.packing import to_device, unpack  # noqa: E402
+from common.ring_attention import RingArgs, ring_model_args, ring_token_logps, validate_ring_args  # noqa: E402
 from common.rollout import (  # noqa: E402
     AsyncArgs, RLArgs, RolloutEngineArgs, RolloutLogArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
     model_tokens, rollout_metrics, rollout_samples, split_steps, token_sample,
 )
 from common.infra.tracking import MetricsLogger, eval_due, progress  # noqa: E402
-from common.infra.gpu import PACKED as VARLEN_ATTENTION  # noqa: E402
 
 ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline")
 GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
@@ -160,12 +156,31 @@ def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
     dp_world = validate_ring_args(args.ring, world, args.model)  # trainer ranks / ring size
+    args.model = ring_model_args(args.model, args.ring)  # the ring is the attention implementation
     validate_common_args(args.model, args.train, args.ckpt, dp_world)
     if args.n_samples_per_prompt == 1 and args.advantage_estimator in GROUP_ESTIMATORS:
         raise ValueError(f"--advantage_estimator {args.advantage_estimator} compares samples of the same prompt: "
                          f"set --n_samples_per_prompt >= 2 (or use --advantage_estimator reinforce)")
     validate_rollout_args(args, world, "grpo.py")
-    return args
+    # ---- boilerplate: loss flag checks (the same text in grpo.py and ppo.py; tests/test_boilerplate.py) ----
+    if args.use_kl_loss and args.init_kl_coef <= 0:
+        raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
+    if args.use_kl_loss and args.kl_estimator == "k1":  # E[grad k1] = E[grad log p] = 0 under the policy
+        raise ValueError("--use_kl_loss with --kl_estimator k1 regularises nothing (the expected gradient of k1 as a "
+                         "loss is 0): use --kl_estimator k3 (the gradient of KL(ref||policy), GRPO's) or k2 (of "
+                         "KL(policy||ref))")
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
+    if off_policy(args):  # samples one update old: the clip is the trust region that keeps that stable
+        eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
+        if not (0 < eps_low < 1 and 0 < eps_high < 1):
+            raise ValueError(f"--async_train with --max_staleness {args.async_rollout.max_staleness} needs a clipped "
+                             f"ratio: --eps_clip / --eps_clip_low_high bounds in (0, 1), got {eps_low}, {eps_high}")
+        if args.vllm_is_truncation > 0:
+            raise ValueError("--vllm_is_truncation with --async_train --max_staleness > 0: the old policy is already "
+                             "vLLM's (the ratio p_trainer / p_vllm is the clipped PPO ratio)")
+    # ---- end of boilerplate: loss flag checks ----
+    return resolve_rollout_args(args)  # derived settings; the reward and environment files load here
 
 
 # ----------------------------------------------------------------------------------------------
@@ -379,18 +394,12 @@ class PolicyTrainer:
         args = self.args
         join_group(self.rank, self.world, master_addr, master_port, args.rendezvous_timeout, args.train.seed,
                    args.actor_num_gpus_per_node)  # the phases run one at a time: each takes the node's cores
-        self.ring = setup_ring(args.ring)  # None without --ring_attn_size
-        ds_config = ring_deepspeed_config(args.train, self.world, self.ring)
-        model = load_causal_lm(args.model, ds_config)
-        check_ring_model(model, self.ring)
-        self.one_row = self.ring is not None or one_row_per_batch(model.config._attn_implementation)
-        self.share_prompt = model.config._attn_implementation == VARLEN_ATTENTION  # the kernel reads branches
-        self.engine = create_train_engine(model, args.train, ds_config, num_training_steps)
-        self.ref = None
-        if args.init_kl_coef > 0:  # coefficient 0: no reference model at all
-            ref_config = deepspeed_eval_config(args.train, self.world)
-            ref_model = load_causal_lm(reference_args(args), ref_config)
-            self.ref = create_eval_engine(ref_model, ref_config)
+        world = setup(args.ring, args.train.seed)  # the group joined above; its rings
+        self.ring = world.ring  # None without --ring_attn_size
+        self.engine = train_engine(args.model, args.train, num_training_steps, world)
+        self.layout = self.engine.layout
+        # coefficient 0: no reference model at all
+        self.ref = frozen_engine(reference_args(args), args.train, world) if args.init_kl_coef > 0 else None
         return True
 
     def setup_weight_sync(self, engines):
@@ -409,7 +418,8 @@ class PolicyTrainer:
         micro, max_tokens = self.args.micro_rollout_batch_size, self.max_tokens(samples)
         for start in range(0, len(samples), micro):
             chunk = samples[start : start + micro]
-            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.one_row, share_prompt=self.share_prompt),
+            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.layout.one_row,
+                                         share_prompt=self.layout.share_prefixes),
                               device())
             for key, model in (("old_logps", self.engine if policy else None), ("ref_logps", self.ref)):
                 if model is None:
@@ -435,11 +445,13 @@ class PolicyTrainer:
         for samples in steps:
             max_tokens = self.max_tokens(samples)
             chunks, skipped = micro_batches(samples, micro, args)
-            batches = [to_device(make_batch(chunk, self.pad_id, max_tokens, self.one_row, values, self.share_prompt),
+            batches = [to_device(make_batch(chunk, self.pad_id, max_tokens, self.layout.one_row, values,
+                                            self.layout.share_prefixes),
                                  device()) for chunk in chunks]
-            # counted on every rank: the ranks of a ring count their samples ring-size times, as DeepSpeed
-            # counts them (ring_deepspeed_config), and the loss is the ring's ring-size times. The normaliser
-            # counts the skipped samples too; the metrics are means over what ran (token means in every mode)
+            # counted on every rank: the ranks of a ring count their samples ring-size times, as DeepSpeed counts
+            # them (common.infra.engine.deepspeed_config), and the loss is the ring's ring-size times. The
+            # normaliser counts the skipped samples too; the metrics are means over what ran (token means in every
+            # mode)
             tokens, sequences, run_tokens, run_sequences, skipped = all_reduce_sum([
                 sum(sum(token_sample(s)["loss_mask"]) for s in samples), sum(not s.get("masked") for s in samples),
                 sum(b["loss_mask"].sum().item() for b in batches),
@@ -469,11 +481,11 @@ class PolicyTrainer:
         totals["vllm_logp_max_abs_diff"] = diff.item()
         return totals
 
-    def save_checkpoint(self, step, client_state):
+    def checkpoint(self, step, client_state):
         save_checkpoint(self.engine, self.args.ckpt.ckpt_path, step, client_state, self.args.ckpt.max_ckpt_num)
         return True
 
-    def load_checkpoint(self):
+    def restore(self):
         return load_checkpoint(self.engine, self.args.ckpt.ckpt_path)
 
     def save_model(self, path):
@@ -531,7 +543,7 @@ def main(args: Args):
 
     state = {"global_step": 0, "consumed_prompts": 0, "best_pass1": -math.inf}
     if args.ckpt.load_checkpoint:
-        loaded = roles.get([t.load_checkpoint.remote() for t in trainers])[0]
+        loaded = roles.get([t.restore.remote() for t in trainers])[0]
         if loaded:
             state.update(loaded["grpo_state"])
             roles.get([t.sync_weights.remote() for t in trainers])  # the engines still hold the start weights
@@ -635,7 +647,7 @@ def main(args: Args):
         if global_step % args.log.logging_steps == 0 or "eval/pass@1" in metrics:
             logger.log(metrics, global_step)
         if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
-            roles.get([t.save_checkpoint.remote(global_step, {"grpo_state": dict(state)}) for t in trainers])
+            roles.get([t.checkpoint.remote(global_step, {"grpo_state": dict(state)}) for t in trainers])
 
     roles.get([t.save_model.remote(args.ckpt.save_path) for t in trainers])
     print(f"saved {args.ckpt.save_path}")

@@ -45,21 +45,19 @@ sys.path.insert(0, ROOT)
 from common.infra.datasets import load_one, load_tokenizer  # noqa: E402
 from common.infra.cluster import (  # noqa: E402
     environment, join_group, load_prompts, off_policy, reference_args, rendezvous_address, reward_function,
-    rollout_steps, start_engines, start_group, start_ray, start_reward_models, trainer_bundles, validate_rollout_args,
-    weight_sync,
+    resolve_rollout_args, rollout_steps, start_engines, start_group, start_ray, start_reward_models, trainer_bundles,
+    validate_rollout_args, weight_sync,
 )
 from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, backward_scale, create_eval_engine,
-    create_train_engine, deepspeed_eval_config, device, load_causal_lm, load_checkpoint, run,
-    optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, validate_common_args,
+    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, backward_scale, device, frozen_engine,
+    load_checkpoint, optimizer_step, parse_cli, run, save_checkpoint, save_hf_model, script_ckpt_args, setup,
+    train_engine, unwrap, validate_common_args,
 )
 from common.episodes import AgentArgs  # noqa: E402
-from common.packing import collate, one_row_per_batch, to_device, unpack  # noqa: E402
-from common.infra.engine import unwrap  # noqa: E402
+from common.packing import collate, to_device, unpack  # noqa: E402
 from common.ring_attention import (  # noqa: E402
-    RingArgs, check_ring_model, ring_deepspeed_config, ring_forward, ring_next_token_values, ring_token_logps,
-    setup_ring, validate_ring_args,
+    RingArgs, ring_forward, ring_model_args, ring_next_token_values, ring_token_logps, validate_ring_args,
 )
 from common.rollout import (  # noqa: E402
     AsyncArgs, RLArgs, RolloutEngineArgs, RolloutLogArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
@@ -184,10 +182,29 @@ def parse_args(argv=None):
         raise ValueError(f"--advantage_estimator {args.advantage_estimator}: ppo.py learns a critic and uses gae "
                          f"only; the critic-free estimators are in algos/grpo.py")
     dp_world = validate_ring_args(args.ring, world, args.model)  # actor ranks / ring size
+    args.model = ring_model_args(args.model, args.ring)  # the ring is the attention implementation
     critic_rings = validate_ring_args(args.ring, critic_world)
     validate_common_args(args.model, args.train, args.ckpt, dp_world)
     accumulation_steps(args.train.train_batch_size, args.train.micro_train_batch_size, critic_rings)
     validate_rollout_args(args, world, "ppo.py")
+    # ---- boilerplate: loss flag checks (the same text in grpo.py and ppo.py; tests/test_boilerplate.py) ----
+    if args.use_kl_loss and args.init_kl_coef <= 0:
+        raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
+    if args.use_kl_loss and args.kl_estimator == "k1":  # E[grad k1] = E[grad log p] = 0 under the policy
+        raise ValueError("--use_kl_loss with --kl_estimator k1 regularises nothing (the expected gradient of k1 as a "
+                         "loss is 0): use --kl_estimator k3 (the gradient of KL(ref||policy), GRPO's) or k2 (of "
+                         "KL(policy||ref))")
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
+    if off_policy(args):  # samples one update old: the clip is the trust region that keeps that stable
+        eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
+        if not (0 < eps_low < 1 and 0 < eps_high < 1):
+            raise ValueError(f"--async_train with --max_staleness {args.async_rollout.max_staleness} needs a clipped "
+                             f"ratio: --eps_clip / --eps_clip_low_high bounds in (0, 1), got {eps_low}, {eps_high}")
+        if args.vllm_is_truncation > 0:
+            raise ValueError("--vllm_is_truncation with --async_train --max_staleness > 0: the old policy is already "
+                             "vLLM's (the ratio p_trainer / p_vllm is the clipped PPO ratio)")
+    # ---- end of boilerplate: loss flag checks ----
     if args.dynamic_filtering and args.n_samples_per_prompt < 2:
         raise ValueError("--dynamic_filtering drops prompts whose samples all got the same reward: set "
                          "--n_samples_per_prompt >= 2")
@@ -211,6 +228,8 @@ def parse_args(argv=None):
         raise ValueError("--colocate_actor_ref needs --init_kl_coef > 0 (without a KL term no reference is loaded)")
     if args.colocate_critic_reward and not args.reward_pretrain:
         raise ValueError("--colocate_critic_reward needs --reward_pretrain (there is no reward model to place)")
+    # derived settings and the checks that read files, before any model loads
+    args = resolve_rollout_args(args)  # the reward and environment files load here
     args.critic_pretrain = args.critic_pretrain or (args.reward_pretrain.split(",")[0] if args.reward_pretrain
                                                     else args.model.pretrain)
     check_critic(args)
@@ -479,14 +498,8 @@ class GroupMember:
     def join(self, master_addr, master_port):
         join_group(self.rank, self.world, master_addr, master_port, self.args.rendezvous_timeout,
                    self.args.train.seed, self.ranks_per_node)
-        self.ring = setup_ring(self.args.ring)  # None without --ring_attn_size
-
-    def load(self, model_args, ds_config, **kwargs):
-        """The group's model; with a ring it must run the ring attention exactly (checked)."""
-        model = load_causal_lm(model_args, ds_config, **kwargs)
-        check_ring_model(model, self.ring)
-        self.one_row = self.ring is not None or one_row_per_batch(model.config._attn_implementation)
-        return model
+        self.placement = setup(self.args.ring, self.args.train.seed)  # the group joined above; its rings
+        self.ring = self.placement.ring  # None without --ring_attn_size
 
     def sleep(self):
         """--deepspeed_enable_sleep: this rank's DeepSpeed states off the device until a method wakes them."""
@@ -509,18 +522,18 @@ class GroupMember:
         micro = self.args.micro_rollout_batch_size
         for start in range(0, len(samples), micro):
             chunk = samples[start : start + micro]
-            batch = to_device(make_batch(chunk, self.pad_id, self.max_tokens, self.one_row), device())
+            batch = to_device(make_batch(chunk, self.pad_id, self.max_tokens, self.engine.layout.one_row), device())
             per_sample = unpack(forward(model, batch), batch)
             out += [t[len(s["prompt_ids"]):].cpu().tolist() for s, t in zip(chunk, per_sample)]
         model.train(was_training)
         return out
 
-    def save_checkpoint(self, step, client_state):
+    def checkpoint(self, step, client_state):
         self.wake()
         save_checkpoint(self.engine, self.ckpt_dir, step, client_state, self.args.ckpt.max_ckpt_num)
         return True
 
-    def load_checkpoint(self, step=None):
+    def restore(self, step=None):
         """Load `latest`, or (the critic) the actor's step: the critic saves first, so its `latest` may be ahead."""
         if step is not None:
             tag = os.path.join(self.ckpt_dir, f"global_step{step}")
@@ -542,10 +555,10 @@ class GroupMember:
         totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
         for k, samples in enumerate(steps):
             chunks = range(0, len(samples), micro)
-            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, self.max_tokens, self.one_row,
+            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, self.max_tokens, engine.layout.one_row,
                                             values), device()) for i in chunks]
             ptx = [to_device(dict(collate(ptx_steps[k][i : i + micro], self.pad_id, max_tokens=self.max_tokens,
-                                          one_row=self.one_row), num_micro=gas * self.world), device())
+                                          one_row=engine.layout.one_row), num_micro=gas * self.world), device())
                    if ptx_steps else None for i in chunks]  # PPO-ptx rows, tagged with the step's micro-batches
             # counted on every rank: a ring counts its samples ring-size times, as its loss is the ring's that often
             tokens, sequences = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in batches),
@@ -578,9 +591,8 @@ class PolicyTrainer(GroupMember):
         """Join the actor group (bounded by --rendezvous_timeout) and load the policy."""
         self.join(master_addr, master_port)
         args, self.ckpt_dir = self.args, os.path.join(self.args.ckpt.ckpt_path, "actor")
-        ds_config = ring_deepspeed_config(args.train, self.world, self.ring)
-        self.engine = create_train_engine(self.load(args.model, ds_config), args.train, ds_config, num_training_steps,
-                                          offload_states=args.deepspeed_enable_sleep)
+        self.engine = train_engine(args.model, args.train, num_training_steps, self.placement,
+                                   offload_states=args.deepspeed_enable_sleep)
         return True
 
     def setup_weight_sync(self, engines):
@@ -613,8 +625,7 @@ class ReferenceRanks(GroupMember):
     def setup(self, master_addr, master_port):
         """Join the reference group and load the frozen start policy (DeepSpeed inference; ZeRO-3 shards it)."""
         self.join(master_addr, master_port)
-        ds_config = deepspeed_eval_config(self.args.train, self.world)
-        self.engine = create_eval_engine(self.load(reference_args(self.args), ds_config), ds_config)
+        self.engine = frozen_engine(reference_args(self.args), self.args.train, self.placement)
         return True
 
     def logprobs(self, samples):
@@ -633,11 +644,9 @@ class CriticTrainer(GroupMember):
         model_args = ModelArgs(pretrain=args.critic_pretrain, attn_implementation=args.model.attn_implementation,
                                gradient_checkpointing=args.model.gradient_checkpointing)
         train_args = dataclasses.replace(args.train, learning_rate=args.critic_learning_rate)
-        ds_config = ring_deepspeed_config(train_args, self.world, self.ring)
-        model = self.load(model_args, ds_config, model_cls=AutoModelForSequenceClassification, num_labels=1,
-                          pad_token_id=self.pad_id)
-        self.engine = create_train_engine(model, train_args, ds_config, num_training_steps,
-                                          offload_states=args.deepspeed_enable_sleep)
+        self.engine = train_engine(model_args, train_args, num_training_steps, self.placement,
+                                   offload_states=args.deepspeed_enable_sleep,
+                                   model_cls=AutoModelForSequenceClassification, num_labels=1, pad_token_id=self.pad_id)
         return True
 
     def values(self, samples):
@@ -729,10 +738,10 @@ def main(args: Args):
 
     state = {"global_step": 0, "consumed_prompts": 0, "consumed_ptx": 0, "best_pass1": -math.inf}
     if args.ckpt.load_checkpoint:
-        loaded = roles.get([t.load_checkpoint.remote() for t in trainers])[0]
+        loaded = roles.get([t.restore.remote() for t in trainers])[0]
         if loaded:
             state.update(loaded["ppo_state"])
-            roles.get([c.load_checkpoint.remote(state["global_step"]) for c in critics])
+            roles.get([c.restore.remote(state["global_step"]) for c in critics])
             roles.get([t.sync_weights.remote() for t in trainers])  # the engines still hold the start weights
         print(f"resumed from {args.ckpt.ckpt_path} at step {state['global_step']}" if loaded else
               f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
@@ -884,8 +893,8 @@ def main(args: Args):
             logger.log(metrics, global_step)
         if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
             # the critic first: the actor's `latest` is the commit point a resume reads
-            roles.get([c.save_checkpoint.remote(global_step, {"ppo_state": dict(state)}) for c in critics])
-            roles.get([t.save_checkpoint.remote(global_step, {"ppo_state": dict(state)}) for t in trainers])
+            roles.get([c.checkpoint.remote(global_step, {"ppo_state": dict(state)}) for c in critics])
+            roles.get([t.checkpoint.remote(global_step, {"ppo_state": dict(state)}) for t in trainers])
         rest(trainers + critics)  # a save woke them
 
     roles.get([t.save_model.remote(args.ckpt.save_path) for t in trainers])

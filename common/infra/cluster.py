@@ -8,11 +8,12 @@ function, weight sync to the engines, and the engines' share of a rollout's prom
 import math
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
 from common.data import BadRow, format_prompt, validate_prompt_args
-from common.episodes import load_env, validate_agent_args
+from common.episodes import episode_tokens, load_env, validate_agent_args
 from common.infra.datasets import load_one
 from common.infra.engine import ModelArgs, free_port, init_distributed, set_seed, uses_bf16
 from common.infra.gpu import check_colocation, check_weight_sync_model
@@ -27,7 +28,7 @@ def off_policy(args):
 
 def validate_rollout_args(args, world, script):
     """The checks of the flags every RL driver shares (world: actor trainer ranks; the script checked its ring
-    flags first); fills --max_model_len."""
+    flags first), pure: resolve_rollout_args then fills the derived settings and loads the files."""
     if args.model.aux_loss_coef > 0:
         raise ValueError(f"--aux_loss_coef (MoE load balancing) is not implemented in {script}")
     n = args.n_samples_per_prompt
@@ -47,29 +48,11 @@ def validate_rollout_args(args, world, script):
     elif not (args.remote_rm_url or args.reward_pretrain):
         raise ValueError("no reward: give --remote_rm_url (a .py reward file or an HTTP URL), --reward_pretrain, "
                          "or an environment (--agent_func_path)")
-    if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
-        from common.infra.remote_reward import load_reward_func
-
-        # a missing file or function fails now, not after the models load
-        load_reward_func(args.remote_rm_url, "--remote_rm_url")
-    needed = max(args.prompt_max_len + args.generate_max_len, args.agent.max_episode_tokens or 0)
-    if args.engine.max_model_len is not None and args.engine.max_model_len < needed:
+    if args.engine.max_model_len is not None and args.engine.max_model_len < model_len_needed(args):
         raise ValueError(f"--max_model_len {args.engine.max_model_len} must be >= --prompt_max_len "
                          f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len}"
-                         + (f" and >= --max_episode_tokens {args.agent.max_episode_tokens}"
+                         + (f" and >= --max_episode_tokens {episode_tokens(args)}"
                             if args.agent.agent_func_path else ""))
-    args.engine.max_model_len = resolve_max_model_len(args.model.pretrain, args.engine.max_model_len, needed)
-    if args.use_kl_loss and args.init_kl_coef <= 0:
-        raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
-    if args.use_kl_loss and args.kl_estimator == "k1":  # E[grad k1] = E[grad log p] = 0 under the policy
-        raise ValueError("--use_kl_loss with --kl_estimator k1 regularises nothing (the expected gradient of k1 as a "
-                         "loss is 0): use --kl_estimator k3 (the gradient of KL(ref||policy), GRPO's) or k2 (of "
-                         "KL(policy||ref))")
-    if args.temperature != 1:
-        print(f"warning: --temperature {args.temperature}: the update reads the untempered policy's log-probs, so it "
-              "trains on samples of another distribution, uncorrected", file=sys.stderr)
-    if args.dual_clip is not None and args.dual_clip <= 1:
-        raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
     if args.overlong_buffer_len >= args.generate_max_len:
         raise ValueError(f"--overlong_buffer_len {args.overlong_buffer_len} must be < --generate_max_len")
     if args.colocate_all_models and args.vllm_num_engines * args.engine.tp_size != world:
@@ -86,15 +69,34 @@ def validate_rollout_args(args, world, script):
     if overlap.async_train and args.vllm_enable_sleep:
         raise ValueError("--async_train generates while the trainer updates: the engines cannot sleep "
                          "(drop --vllm_enable_sleep)")
-    if off_policy(args):  # samples one update old: the clip is the trust region that keeps that stable
-        eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
-        if not (0 < eps_low < 1 and 0 < eps_high < 1):
-            raise ValueError(f"--async_train with --max_staleness {overlap.max_staleness} needs a clipped ratio: "
-                             f"--eps_clip / --eps_clip_low_high bounds in (0, 1), got {eps_low}, {eps_high}")
-        if args.vllm_is_truncation > 0:
-            raise ValueError("--vllm_is_truncation with --async_train --max_staleness > 0: the old policy is already "
-                             "vLLM's (the ratio p_trainer / p_vllm is the clipped PPO ratio)")
     validate_prompt_args(args.input_template, args.apply_chat_template)
+
+
+def model_len_needed(args):
+    """The longest sequence an RL run's engines hold: prompt and response, or a whole episode."""
+    episode = episode_tokens(args) if args.agent.agent_func_path else 0
+    return max(args.prompt_max_len + args.generate_max_len, episode)
+
+
+def resolve_rollout_args(args):
+    """The one step after validate_rollout_args that reads files and fills derived settings: the --remote_rm_url
+    reward file and the --agent_func_path environment are loaded (a missing file or function fails now, not after
+    the models load), --max_episode_tokens and --max_model_len are filled (the latter from the model's config), and
+    --temperature != 1 is warned about. Returns a copy of args with those filled."""
+    if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
+        from common.infra.remote_reward import load_reward_func
+
+        load_reward_func(args.remote_rm_url, "--remote_rm_url")
+    agent = args.agent
+    if agent.agent_func_path:
+        load_env(agent.agent_func_path)
+        agent = replace(agent, max_episode_tokens=episode_tokens(args))
+    engine = replace(args.engine, max_model_len=resolve_max_model_len(args.model.pretrain, args.engine.max_model_len,
+                                                                      model_len_needed(args)))
+    if args.temperature != 1:
+        print(f"warning: --temperature {args.temperature}: the update reads the untempered policy's log-probs, so it "
+              "trains on samples of another distribution, uncorrected", file=sys.stderr)
+    return replace(args, agent=agent, engine=engine)
 
 
 def load_prompts(spec, split, args, tokenizer, max_samples):
