@@ -43,10 +43,9 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Annotated, Literal, Optional
+from typing import Literal, Optional
 
 import torch
-import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -58,14 +57,13 @@ from common.infra.cluster import (  # noqa: E402
 )
 from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, device, frozen_engine, load_checkpoint, parse_cli,
+    CkptArgs, all_reduce_sum, backward_step, device, frozen_engine, load_checkpoint, parse_cli,
     run, save_checkpoint, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args,
 )
-from common.episodes import AgentArgs  # noqa: E402
 from common.packing import to_device, unpack  # noqa: E402
-from common.ring_attention import RingArgs, ring_model_args, ring_token_logps, validate_ring_args  # noqa: E402
+from common.ring_attention import ring_model_args, ring_token_logps, validate_ring_args  # noqa: E402
 from common.rollout import (  # noqa: E402
-    AsyncArgs, RLArgs, RolloutEngineArgs, RolloutLogArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
+    RLArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
     model_tokens, rollout_metrics, rollout_samples, split_steps, token_sample,
 )
 from common.infra.tracking import MetricsLogger, eval_due, progress  # noqa: E402
@@ -75,30 +73,8 @@ GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
 
 
 @dataclass
-class ActorTrainArgs(TrainArgs):
-    train_batch_size: int = 64
-    """Global samples (responses) per optimizer step, across all trainer ranks."""
-    max_epochs: int = 1
-    """Passes over each rollout's samples (PPO epochs)."""
-    learning_rate: Annotated[float, tyro.conf.arg(name="actor_learning_rate")] = 1e-6
-    """Peak learning rate of the policy (AdamW)."""
-    lr_warmup_ratio: float = 0.0
-    """Fraction of optimizer steps with linear warmup (OpenRLHF's RL default: 0.03)."""
-    lr_scheduler: str = "constant_with_warmup"
-    """Any transformers scheduler name; constant by default (OpenRLHF's RL default: cosine_with_min_lr, down to
-    --min_lr_ratio 0.1 of the peak)."""
-
-
-@dataclass
 class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers share (common/rollout.py)
-    model: ModelArgs = field(default_factory=ModelArgs)
-    train: ActorTrainArgs = field(default_factory=ActorTrainArgs)
-    engine: RolloutEngineArgs = field(default_factory=RolloutEngineArgs)
     ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
-    log: RolloutLogArgs = field(default_factory=RolloutLogArgs)
-    agent: AgentArgs = field(default_factory=AgentArgs)  # multi-turn environments (common/episodes.py)
-    async_rollout: AsyncArgs = field(default_factory=AsyncArgs)  # rollouts up to K steps ahead, their bound
-    ring: RingArgs = field(default_factory=RingArgs)  # the trainer's (and reference's) rows split over rings
     # -- loss
     advantage_estimator: Literal["group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline"] = "group_norm"
     """group_norm: GRPO (r - mean) / (std + eps) in the group; dr_grpo: r - mean and a constant loss normaliser;
@@ -137,19 +113,6 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
     """Nodes for the trainer group."""
     actor_num_gpus_per_node: int = 1
     """Trainer ranks per node (devices on CUDA, processes on CPU)."""
-    vllm_num_engines: int = 1
-    """vLLM engines (each --vllm_tensor_parallel_size devices; on CPU one engine's decode loop uses one core)."""
-    colocate_all_models: bool = False
-    """Put trainers, vLLM engines and reward models on the same devices (one placement-group bundle each)."""
-    vllm_enable_sleep: bool = False
-    """Sleep the vLLM engines while training (CUDA; a logged no-op on CPU)."""
-    ray_address: Optional[str] = None
-    """Join this Ray cluster (default: start a local Ray)."""
-    startup_timeout: float = 900.0
-    """Seconds every role (trainers, vLLM engines, reward models) may take to load its models and start."""
-    rendezvous_timeout: float = 120.0
-    """Seconds a group set-up (trainer group, weight-sync group) waits for its members; then it stops naming who
-    did not join."""
 
 
 def parse_args(argv=None):
@@ -162,24 +125,7 @@ def parse_args(argv=None):
         raise ValueError(f"--advantage_estimator {args.advantage_estimator} compares samples of the same prompt: "
                          f"set --n_samples_per_prompt >= 2 (or use --advantage_estimator reinforce)")
     validate_rollout_args(args, world, "grpo.py")
-    # ---- boilerplate: loss flag checks (the same text in grpo.py and ppo.py; tests/test_boilerplate.py) ----
-    if args.use_kl_loss and args.init_kl_coef <= 0:
-        raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
-    if args.use_kl_loss and args.kl_estimator == "k1":  # E[grad k1] = E[grad log p] = 0 under the policy
-        raise ValueError("--use_kl_loss with --kl_estimator k1 regularises nothing (the expected gradient of k1 as a "
-                         "loss is 0): use --kl_estimator k3 (the gradient of KL(ref||policy), GRPO's) or k2 (of "
-                         "KL(policy||ref))")
-    if args.dual_clip is not None and args.dual_clip <= 1:
-        raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
-    if off_policy(args):  # samples one update old: the clip is the trust region that keeps that stable
-        eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
-        if not (0 < eps_low < 1 and 0 < eps_high < 1):
-            raise ValueError(f"--async_train with --max_staleness {args.async_rollout.max_staleness} needs a clipped "
-                             f"ratio: --eps_clip / --eps_clip_low_high bounds in (0, 1), got {eps_low}, {eps_high}")
-        if args.vllm_is_truncation > 0:
-            raise ValueError("--vllm_is_truncation with --async_train --max_staleness > 0: the old policy is already "
-                             "vLLM's (the ratio p_trainer / p_vllm is the clipped PPO ratio)")
-    # ---- end of boilerplate: loss flag checks ----
+    check_loss_flags(args)  # beside the loss terms they configure
     return resolve_rollout_args(args)  # derived settings; the reward and environment files load here
 
 
@@ -294,6 +240,25 @@ def policy_loss(logps, old_logps, advantages, eps_low, eps_high, dual_clip=None)
     if dual_clip is not None:
         loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
     return loss, (surr2 < surr1).float()
+
+def check_loss_flags(args):
+    """The checks of the flags these terms read (parse_args calls it; raises ValueError naming the flag)."""
+    if args.use_kl_loss and args.init_kl_coef <= 0:
+        raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
+    if args.use_kl_loss and args.kl_estimator == "k1":  # E[grad k1] = E[grad log p] = 0 under the policy
+        raise ValueError("--use_kl_loss with --kl_estimator k1 regularises nothing (the expected gradient of k1 as a "
+                         "loss is 0): use --kl_estimator k3 (the gradient of KL(ref||policy), GRPO's) or k2 (of "
+                         "KL(policy||ref))")
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
+    if off_policy(args):  # samples one update old: the clip is the trust region that keeps that stable
+        eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
+        if not (0 < eps_low < 1 and 0 < eps_high < 1):
+            raise ValueError(f"--async_train with --max_staleness {args.async_rollout.max_staleness} needs a clipped "
+                             f"ratio: --eps_clip / --eps_clip_low_high bounds in (0, 1), got {eps_low}, {eps_high}")
+        if args.vllm_is_truncation > 0:
+            raise ValueError("--vllm_is_truncation with --async_train --max_staleness > 0: the old policy is already "
+                             "vLLM's (the ratio p_trainer / p_vllm is the clipped PPO ratio)")
 # ---- end of boilerplate: actor loss terms ----
 
 
@@ -392,7 +357,7 @@ class PolicyTrainer:
     def setup(self, master_addr, master_port, num_training_steps):
         """Join the trainer group (bounded by --rendezvous_timeout) and load the models."""
         args = self.args
-        join_group(self.rank, self.world, master_addr, master_port, args.rendezvous_timeout, args.train.seed,
+        join_group(self.rank, self.world, master_addr, master_port, args.cluster.rendezvous_timeout, args.train.seed,
                    args.actor_num_gpus_per_node)  # the phases run one at a time: each takes the node's cores
         world = setup(args.ring, args.train.seed)  # the group joined above; its rings
         self.ring = world.ring  # None without --ring_attn_size
@@ -505,9 +470,9 @@ def place_models(args, world, pad_id, roles):
 
 
     gpu = ray.cluster_resources().get("GPU", 0) > 0
-    at = trainer_bundles(roles, args.actor_num_nodes, args.actor_num_gpus_per_node, gpu, args.startup_timeout,
+    at = trainer_bundles(roles, args.actor_num_nodes, args.actor_num_gpus_per_node, gpu, args.cluster.startup_timeout,
                          "trainer")
-    colocated = args.colocate_all_models
+    colocated = args.cluster.colocate_all_models
     # colocated: up to five roles share one device, and roles split their bundle's CPU
     cpus, gpus = (0.5, 0.2 if gpu else 0) if colocated else (1, 1 if gpu else 0)
     trainers = [roles.add(f"trainer rank {r}", actor_class(PolicyTrainer).options(
@@ -534,10 +499,10 @@ def main(args: Args):
     optimizer_steps = total_steps * per_step // args.train.train_batch_size * args.train.max_epochs
     timeout_s = args.async_rollout.rollout_timeout
 
-    start_ray(args, 2 * world + args.vllm_num_engines + 1, ROOT)
+    start_ray(args, 2 * world + args.cluster.vllm_num_engines + 1, ROOT)
     roles = Roles()
     trainers, engines, reward_models = place_models(args, world, tokenizer.pad_token_id, roles)
-    roles.ready(args.startup_timeout)  # every role is up before anyone waits on another in a rendezvous
+    roles.ready(args.cluster.startup_timeout)  # every role is up before anyone waits on another in a rendezvous
     roles.get(start_group(roles, trainers, optimizer_steps))
     roles.get([t.setup_weight_sync.remote(engines) for t in trainers])
 
@@ -607,7 +572,7 @@ def main(args: Args):
             s["advantages"] = a.tolist()
 
         # 5. policy update: epochs x optimizer steps, each step's samples split over the rings
-        if args.vllm_enable_sleep:
+        if args.cluster.vllm_enable_sleep:
             roles.get([e.sleep.remote() for e in engines])
         t0 = time.time()
         ring_steps = split_steps(samples, args, step, world // ring_size)
@@ -616,7 +581,7 @@ def main(args: Args):
         phases.update(1)
 
         # 6. push the new weights into every engine, once they have finished the rollouts due on the old ones
-        if args.vllm_enable_sleep:
+        if args.cluster.vllm_enable_sleep:
             roles.get([e.wake_up.remote() for e in engines])
         t0 = time.time()
         with rollouts.new_weights() if rollouts else contextlib.nullcontext():

@@ -8,7 +8,8 @@ function, weight sync to the engines, and the engines' share of a rollout's prom
 import math
 import os
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
 
@@ -18,6 +19,24 @@ from common.infra.datasets import load_one
 from common.infra.engine import ModelArgs, free_port, init_distributed, set_seed, uses_bf16
 from common.infra.gpu import check_colocation, check_weight_sync_model
 from common.infra.vllm_engine import resolve_max_model_len
+
+
+@dataclass
+class ClusterArgs:
+    vllm_num_engines: int = 1
+    """vLLM engines (each --vllm_tensor_parallel_size devices; on CPU one engine's decode loop uses one core)."""
+    colocate_all_models: bool = False
+    """Put every model of the run (trainers, reference, critic, vLLM engines, reward models) on the (actor)
+    trainers' devices, one placement-group bundle each."""
+    vllm_enable_sleep: bool = False
+    """Sleep the vLLM engines while training (CUDA; a logged no-op on CPU)."""
+    ray_address: Optional[str] = None
+    """Join this Ray cluster (default: start a local Ray)."""
+    startup_timeout: float = 900.0
+    """Seconds every role (trainers, critic, vLLM engines, reward models) may take to load its models and start."""
+    rendezvous_timeout: float = 120.0
+    """Seconds a group set-up (trainer groups, weight sync) waits for its members; then it stops naming who did
+    not join."""
 
 
 def off_policy(args):
@@ -55,18 +74,18 @@ def validate_rollout_args(args, world, script):
                             if args.agent.agent_func_path else ""))
     if args.overlong_buffer_len >= args.generate_max_len:
         raise ValueError(f"--overlong_buffer_len {args.overlong_buffer_len} must be < --generate_max_len")
-    if args.colocate_all_models and args.vllm_num_engines * args.engine.tp_size != world:
+    if args.cluster.colocate_all_models and args.cluster.vllm_num_engines * args.engine.tp_size != world:
         raise ValueError(f"--colocate_all_models puts one engine device on each trainer device: --vllm_num_engines "
                          f"x --vllm_tensor_parallel_size must equal {world} trainer ranks")
-    if args.vllm_enable_sleep and not args.colocate_all_models:
+    if args.cluster.vllm_enable_sleep and not args.cluster.colocate_all_models:
         raise ValueError("--vllm_enable_sleep only helps with --colocate_all_models")
-    check_colocation(args.colocate_all_models, args.engine.vllm_gpu_memory_utilization, args.engine.tp_size,
+    check_colocation(args.cluster.colocate_all_models, args.engine.vllm_gpu_memory_utilization, args.engine.tp_size,
                      torch.cuda.is_available())  # common.infra.gpu: what a CUDA device cannot hold
     check_weight_sync_model(args.model.load_in_4bit, True, script)
     overlap = args.async_rollout
     if overlap.max_staleness < 0:
         raise ValueError(f"--max_staleness must be >= 0, got {overlap.max_staleness}")
-    if overlap.async_train and args.vllm_enable_sleep:
+    if overlap.async_train and args.cluster.vllm_enable_sleep:
         raise ValueError("--async_train generates while the trainer updates: the engines cannot sleep "
                          "(drop --vllm_enable_sleep)")
     validate_prompt_args(args.input_template, args.apply_chat_template)
@@ -145,8 +164,8 @@ def start_ray(args, num_roles, root):
     """Join --ray_address, or start a local Ray with a logical CPU for every role even on a 2-core machine."""
     import ray
 
-    if args.ray_address:
-        ray.init(address=args.ray_address, runtime_env={"env_vars": {"PYTHONPATH": root}})
+    if args.cluster.ray_address:
+        ray.init(address=args.cluster.ray_address, runtime_env={"env_vars": {"PYTHONPATH": root}})
     else:
         ray.init(num_cpus=max(os.cpu_count() or 1, num_roles), include_dashboard=False,
                  runtime_env={"env_vars": {"PYTHONPATH": root, "TOKENIZERS_PARALLELISM": "false"}})
@@ -205,8 +224,9 @@ def weight_sync(args, rank, engines):
 
     from common.infra.weight_sync import WeightSync
 
-    return WeightSync(engines if rank == 0 else [], colocated=args.colocate_all_models, tp_size=args.engine.tp_size,
-                      host=ray.util.get_node_ip_address(), timeout_s=args.rendezvous_timeout,
+    return WeightSync(engines if rank == 0 else [], colocated=args.cluster.colocate_all_models,
+                      tp_size=args.engine.tp_size, host=ray.util.get_node_ip_address(),
+                      timeout_s=args.cluster.rendezvous_timeout,
                       dtype=torch.bfloat16 if uses_bf16(args.train) else None)
 
 
@@ -216,14 +236,14 @@ def start_engines(args, roles, cpus, gpus, at=None):
     from common.infra.vllm_engine import create_vllm_actor, default_max_num_seqs
 
     # an engine holds at once every sample of its share of a rollout (or of an evaluation round)
-    per_engine = math.ceil(args.rollout_batch_size / args.vllm_num_engines)
+    per_engine = math.ceil(args.rollout_batch_size / args.cluster.vllm_num_engines)
     max_num_seqs = default_max_num_seqs(per_engine * max(args.n_samples_per_prompt, args.eval_n_samples_per_prompt))
     return [roles.add(f"vLLM engine {i}", create_vllm_actor(
                 args.model.pretrain, args.engine, num_cpus=cpus, num_gpus=gpus * args.engine.tp_size,
-                enable_sleep=args.vllm_enable_sleep, colocated=at is not None, max_num_seqs=max_num_seqs,
+                enable_sleep=args.cluster.vllm_enable_sleep, colocated=at is not None, max_num_seqs=max_num_seqs,
                 bf16=uses_bf16(args.train),
                 options={"scheduling_strategy": at(i * args.engine.tp_size)} if at else {}))
-            for i in range(args.vllm_num_engines)]
+            for i in range(args.cluster.vllm_num_engines)]
 
 
 def start_reward_models(args, roles, cpus, gpus, strategy=None):
