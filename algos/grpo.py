@@ -524,8 +524,9 @@ def main(args: Args):
         return collect_rollout(args, roles, engines, prompts, start, version, reward_fn, reward_models, tokenizer,
                                env_cls)
 
+    one_behind = off_policy(args)  # samples from the weights one update before the trainer's (--async_train)
     rollouts = None  # synchronous: each step's rollout is collected when the step asks for it
-    if off_policy(args):  # --async_train: a thread collects the next steps' rollouts while the trainer updates
+    if one_behind:  # --async_train: a thread collects the next steps' rollouts while the trainer updates
         from common.async_rollouts import Rollouts
 
         rollouts = Rollouts(args, collect, state["global_step"], total_steps, state["consumed_prompts"])
@@ -550,7 +551,7 @@ def main(args: Args):
         # 3. log-probs before the update: policy (old, unless single_update or off-policy) and reference;
         # each ring its contiguous shard (trainer rank r is in ring r // ring size; its first rank answers)
         t0 = time.time()
-        shard, policy_pass = per_step // (world // ring_size), not single_update(args) and not off_policy(args)
+        shard, policy_pass = per_step // (world // ring_size), not single_update(args) and not one_behind
         if policy_pass or args.init_kl_coef > 0:
             outs = roles.get([t.logprobs.remote(samples[r // ring_size * shard : (r // ring_size + 1) * shard],
                                                 policy_pass) for r, t in enumerate(trainers)])[::ring_size]
@@ -560,7 +561,7 @@ def main(args: Args):
                         s["old_logps"] = out["old_logps"][k]
                     if out["ref_logps"]:
                         s["ref_logps"] = out["ref_logps"][k]
-        if off_policy(args):  # the behaviour policy: the weights that sampled them, one update before the trainer's
+        if one_behind:  # the behaviour policy: the weights that sampled them, one update before the trainer's
             for s in samples:
                 s["old_logps"] = s["vllm_logps"]
         phase("logprobs", t0)
@@ -598,7 +599,7 @@ def main(args: Args):
         metrics = {**rollout_metrics(rollout, samples, raw_rewards, step),
                    "perf/sync_mb": sync["bytes"] / 2**20, "perf/samples_per_s": per_step / (time.time() - t_step),
                    **timing, **{f"train/{k}": v for k, v in train_metrics.items()}}
-        if not off_policy(args):  # the trainer's log-probs before the update vs vLLM's on the same weights
+        if not one_behind:  # the trainer's log-probs before the update vs vLLM's on the same weights
             metrics["check/vllm_logp_max_abs_diff"] = vllm_diff
         metrics.update(kl_to_reference(samples))
         bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")
