@@ -13,6 +13,7 @@ the processes' RSS, sampled every 0.2 s). vLLM's CPU KV cache is sized in bytes 
 
     python benchmarks/bench_real_shape.py --layers 2            # smoke test, ~3 min
     python benchmarks/bench_real_shape.py --scripts sft         # the 0.5B shape, one script
+    python benchmarks/bench_real_shape.py --scripts grpo --lora_rank 8   # the 0.5B shape, LoRA: ~half the memory
 """
 
 import argparse
@@ -126,6 +127,8 @@ def main():
     parser.add_argument("--samples", type=int, default=4, help="samples per optimizer step")
     parser.add_argument("--n_samples_per_prompt", type=int, default=4, help="grpo: samples per prompt")
     parser.add_argument("--max_len", type=int, default=128, help="longest row in tokens")
+    parser.add_argument("--lora_rank", type=int, default=0,
+                        help="train LoRA adapters of this rank (the base has no gradients or Adam state: less memory)")
     parser.add_argument("--assets", default="", help="where the models and data go (default: a temporary folder)")
     args = parser.parse_args()
 
@@ -136,11 +139,13 @@ def main():
         write_task_data(f"{assets}/data", "reverse", n_train=256, n_test=16)
     print(f"Qwen2.5-0.5B shape with {args.layers} layers (student for distill: hidden {STUDENT['hidden_size']}, "
           f"{STUDENT['num_hidden_layers']} layers), vocab {SHAPE['vocab_size']}, fp32, ZeRO-0, world of one; "
-          f"{args.steps} steps x {args.samples} samples, rows <= {args.max_len} tokens; assets in {assets}")
+          f"{args.steps} steps x {args.samples} samples, rows <= {args.max_len} tokens"
+          f"{f', LoRA rank {args.lora_rank}' if args.lora_rank else ''}; assets in {assets}")
     print(f"{'script':>8} {'loss':>9} {'step s':>7} {'wall s':>7} {'peak GB':>8}", flush=True)
     for script in args.scripts.split(","):
         out = tempfile.mkdtemp(prefix=f"{script}_", dir=assets)
-        r = run_script(script, script_args(script, args, teacher, student, f"{assets}/data/reverse", out), out)
+        cmd_args = script_args(script, args, teacher, student, f"{assets}/data/reverse", out)
+        r = run_script(script, cmd_args + (["--lora_rank", args.lora_rank] if args.lora_rank else []), out)
         if r["exit"] or r["steps"] != args.steps:
             print(f"{script:>8} failed (exit {r['exit']}, {r['steps']} steps logged): see {r['log']}", flush=True)
             continue
