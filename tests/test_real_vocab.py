@@ -2,7 +2,7 @@
 (benchmarks/bench_memory.SHAPE with the width and depth cut, tied embeddings kept) and launch/tiny.py's tokenizer
 padded to that vocabulary, built once for the module. Random weights spread the next-token distribution nearly
 evenly, so the first SFT loss and the first rollout's entropy are ln(151,936) = 11.93 to within the logits' small
-spread. ~45 s on 2 quiet cores."""
+spread."""
 
 import importlib.util
 import math
