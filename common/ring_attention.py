@@ -15,10 +15,9 @@ token count all-reduced over the world needs no change (the gather's backward su
 gradient, which that count cancels).
 """
 
-import dataclasses
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
@@ -42,19 +41,9 @@ class RingArgs:
     """KV heads all-gathered per step inside a ring (must divide the model's KV head count)."""
 
 
-def ring_deepspeed_config(train, world_size, ring, **kwargs):
-    """common.infra.engine.deepspeed_config for rings: DeepSpeed counts every rank as data-parallel, so it gets
-    --train_batch_size x ring size, and the accumulation steps come from the data-parallel size."""
-    from common.infra.engine import deepspeed_config
-
-    size = ring.size if ring else 1
-    return deepspeed_config(dataclasses.replace(train, train_batch_size=train.train_batch_size * size), world_size,
-                            **kwargs)
-
-
 def validate_ring_args(ring: RingArgs, world_size, model=None, data=None):
-    """Checks that need no model (raise ValueError naming the flag); with a ring, sets --attn_implementation
-    to NAME. Returns the data-parallel size, world / ring size, for the batch arithmetic."""
+    """Checks that need no model (raise ValueError naming the flag); ring_model_args then makes the ring the
+    attention implementation. Returns the data-parallel size, world / ring size, for the batch arithmetic."""
     if ring.ring_attn_size < 1 or world_size % ring.ring_attn_size:
         raise ValueError(f"--ring_attn_size {ring.ring_attn_size} must divide the world size {world_size}")
     if ring.ring_head_stride < 1:
@@ -73,8 +62,13 @@ def validate_ring_args(ring: RingArgs, world_size, model=None, data=None):
         if model.aux_loss_coef > 0:
             raise ValueError("--aux_loss_coef with --ring_attn_size > 1 is not supported (the router loss would be "
                              "averaged over slices, not over the row)")
-        model.attn_implementation = NAME
     return world_size // ring.ring_attn_size
+
+
+def ring_model_args(model, ring: RingArgs):
+    """The model's option group (common.infra.engine.ModelArgs) with the ring as its attention implementation where
+    --ring_attn_size > 1 (validate_ring_args refused any other); unchanged otherwise."""
+    return replace(model, attn_implementation=NAME) if ring.ring_attn_size > 1 else model
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,14 +205,6 @@ def setup_ring(ring: RingArgs):
             mine = group
     return Ring(size=n, rank=rank % n, group=mine, head_stride=ring.ring_head_stride, dp_rank=rank // n,
                 dp_world=world // n)
-
-
-def data_parallel(ring):
-    """(data-parallel rank, data-parallel size): which share of each global batch this rank's ring takes, and
-    how many shares there are (the ranks of a ring take the same one)."""
-    if ring is not None:
-        return ring.dp_rank, ring.dp_world
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def check_ring_model(model, ring):

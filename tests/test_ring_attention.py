@@ -14,7 +14,9 @@ import sys
 import pytest
 import torch
 
-from common.ring_attention import NAME, RingArgs, check_ring_model, import_ring_flash_attn, validate_ring_args
+from common.ring_attention import (
+    NAME, RingArgs, check_ring_model, import_ring_flash_attn, ring_model_args, validate_ring_args,
+)
 from conftest import ROOT
 
 LAYERS, KV_HEADS = 2, 2
@@ -147,7 +149,9 @@ def test_bad_ring_arguments_fail_naming_the_flag():
         validate_ring_args(RingArgs(ring_attn_size=2), 2, ModelArgs(pretrain="m", aux_loss_coef=0.01), data)
     model = ModelArgs(pretrain="m")
     assert validate_ring_args(RingArgs(ring_attn_size=2), 4, model, data) == 2  # the data-parallel size
-    assert model.attn_implementation == NAME
+    assert model.attn_implementation is None  # validation changes nothing; ring_model_args resolves
+    assert ring_model_args(model, RingArgs(ring_attn_size=2)).attn_implementation == NAME
+    assert ring_model_args(model, RingArgs()) is model
     assert validate_ring_args(RingArgs(), 4, ModelArgs(pretrain="m"), data) == 4
 
 

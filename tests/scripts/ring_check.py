@@ -20,10 +20,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from common.infra.engine import ModelArgs, TrainArgs, finish, init_distributed, load_causal_lm  # noqa: E402
+from common.infra.engine import (  # noqa: E402
+    ModelArgs, TrainArgs, deepspeed_config, finish, init_distributed, load_causal_lm,
+)
 from common.packing import collate, per_sample_sum, token_logps  # noqa: E402
 from common.ring_attention import (  # noqa: E402
-    NAME, RingArgs, check_ring_model, ring_deepspeed_config, ring_token_logps, setup_ring,
+    NAME, RingArgs, check_ring_model, ring_token_logps, setup_ring,
 )
 
 # a 24-token row whose second sample crosses the ranks' boundary (12); 25 tokens need one pad token
@@ -158,7 +160,7 @@ def zero3_head_check(path, chunk=16):
     for chunk_tokens in (0, chunk):
         train = TrainArgs(train_batch_size=world, micro_train_batch_size=1, zero_stage=3, max_norm=0.0,
                           param_dtype="fp32")
-        ds_config = ring_deepspeed_config(train, world, None)
+        ds_config = deepspeed_config(train, world)
         model = load_causal_lm(ModelArgs(pretrain=path, logps_chunk_tokens=chunk_tokens), ds_config)
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                                           config=ds_config)
@@ -238,7 +240,7 @@ def step_checks(path):
     world, out = dist.get_world_size(), {}
     for stage in (2, 3):
         train = TrainArgs(train_batch_size=1, micro_train_batch_size=1, zero_stage=stage, max_norm=0.0)
-        ds_config = ring_deepspeed_config(train, world, ring)
+        ds_config = deepspeed_config(train, world, ring_size=ring.size)
         model = load_causal_lm(ModelArgs(pretrain=path, attn_implementation=NAME, logps_chunk_tokens=5), ds_config)
         check_ring_model(model, ring)
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
