@@ -70,18 +70,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import BadRow, DataArgs, format_prompt, format_response, get_field, validate_data_args  # noqa: E402
 from common.infra.datasets import load_tokenizer, prepare_dataset, rank0_first, tokenization_cache_key  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, create_eval_engine, create_train_engine,
-    deepspeed_eval_config, device, init_distributed, is_rank0, load_causal_lm, load_checkpoint, parse_cli, run,
-    save_checkpoint, save_hf_model, script_ckpt_args, set_seed, uses_bf16, validate_common_args, world_size_from_env,
+    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, device, frozen_engine, is_rank0, maybe_save,
+    parse_cli, resume, run, save_hf_model, script_ckpt_args, setup, train_engine, uses_bf16, validate_common_args,
+    world_size_from_env,
 )
-from common.packing import collate, lockstep_shard, one_row_per_batch, to_device  # noqa: E402
+from common.packing import batch_layout, collate, lockstep_shard, to_device  # noqa: E402
 from common.kernels.chunked_head import head_chunk_tokens, head_logits_at, map_logit_chunks  # noqa: E402
 from common.infra.gpu import check_weight_sync_model  # noqa: E402
 from common.kernels.varlen_attention import default_attn_implementation  # noqa: E402
-from common.ring_attention import (  # noqa: E402
-    RingArgs, check_ring_model, data_parallel, ring_deepspeed_config, ring_response_logits, setup_ring,
-    validate_ring_args,
-)
+from common.ring_attention import RingArgs, ring_model_args, ring_response_logits, validate_ring_args  # noqa: E402
 from common.infra.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 from common.infra.vllm_engine import (  # noqa: E402
     EngineArgs, EngineError, SamplingArgs, create_vllm_engine, default_max_num_seqs, resolve_max_model_len,
@@ -139,6 +136,7 @@ class Args:
 def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
     dp_world = validate_ring_args(args.ring, world_size_from_env(), args.model, args.data)  # world / ring size
+    args.model = ring_model_args(args.model, args.ring)  # the ring is the attention implementation
     validate_common_args(args.model, args.train, args.ckpt, dp_world)
     validate_data_args(args.data, args.model.attn_implementation)
     if args.model.aux_loss_coef > 0:
@@ -220,11 +218,10 @@ def samples_of(ds, indices):
     return [{"input_ids": i, "loss_mask": m} for i, m in zip(rows["input_ids"], rows["loss_mask"])]
 
 
-def make_batch(samples, args, pad_id, one_row):
-    """Packed rows (one row with a per-sample attention kernel, see common.packing.one_row_per_batch), or
-    padded rows."""
+def make_batch(samples, args, pad_id, layout):
+    """Packed rows (one row where `layout.one_row`, see common.packing.Layout), or padded rows."""
     return collate(samples, pad_id, packing=args.data.packing_samples,
-                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=one_row)
+                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=layout.one_row)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -468,13 +465,7 @@ def on_policy_samples(llm, sync, engine, samples, args, step):
 # Training
 # ----------------------------------------------------------------------------------------------
 def main(args: Args):
-    init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    # ---- boilerplate: ring attention (the same text in every script; tests/test_boilerplate.py) ----
-    ring = setup_ring(args.ring)  # None without --ring_attn_size
-    dp_rank, dp_world = data_parallel(ring)  # the ranks of a ring share their samples
-    # ---- end of boilerplate: ring attention ----
-    set_seed(args.train.seed)
+    world = setup(args.ring, args.train.seed)  # ranks, data-parallel share, ring
     tokenizer = load_tokenizer(args.model.pretrain, args.data)
     vocab = check_teacher(args)  # the logits of both models are compared over the shared token ids
 
@@ -504,14 +495,13 @@ def main(args: Args):
     def load_teacher():
         nonlocal teacher
         if teacher is None:
-            config = deepspeed_eval_config(args.train, world, offload=args.teacher_offload)
             teacher_args = ModelArgs(pretrain=args.teacher_model, attn_implementation=args.model.attn_implementation,
                                      logps_chunk_tokens=args.model.logps_chunk_tokens)
-            teacher = create_eval_engine(load_causal_lm(teacher_args, config), config)
+            teacher = frozen_engine(teacher_args, args.train, world, offload=args.teacher_offload)
         return teacher
 
-    one_row = ring is not None or one_row_per_batch(args.model.attn_implementation)
-    batch_fn = lambda samples: make_batch(samples, args, pad_id, one_row)  # noqa: E731
+    layout = batch_layout(args.model.attn_implementation, world.ring)  # before any model loads (the teacher cache)
+    batch_fn = lambda samples: make_batch(samples, args, pad_id, layout)  # noqa: E731
     train_cache = eval_cache = None
     if args.teacher_cache:
         fingerprint = [teacher_fingerprint(args.teacher_model) if is_rank0() else None]
@@ -531,27 +521,18 @@ def main(args: Args):
     else:
         load_teacher()
 
-    ds_config = ring_deepspeed_config(args.train, world, ring)
-    model = load_causal_lm(args.model, ds_config)
-    check_ring_model(model, ring)
-    engine = create_train_engine(model, args.train, ds_config, total_steps)
+    engine = train_engine(args.model, args.train, total_steps, world)
     llm = sync = None
     if args.lmbda > 0:  # the student's sampler: a vLLM engine on rank 0, fed the trainer's weights
         from common.infra.weight_sync import WeightSync  # imports vLLM: only for on-policy runs
 
         llm = (create_vllm_engine(args.model.pretrain, args.vllm, max_num_seqs=default_max_num_seqs(
             args.train.train_batch_size), bf16=uses_bf16(args.train))
-               if rank == 0 else None)  # one sample per prompt of every rank
+               if is_rank0() else None)  # one sample per prompt of every rank
         sync = WeightSync([llm] if llm is not None else [], colocated=True, tp_size=args.vllm.tp_size,
                           timeout_s=args.rendezvous_timeout, dtype=torch.bfloat16 if uses_bf16(args.train) else None)
-    start_step = 0
-    if args.ckpt.load_checkpoint:
-        state = load_checkpoint(engine, args.ckpt.ckpt_path)
-        if state is not None:
-            start_step = state["global_step"]
-        if is_rank0():
-            print(f"resumed from {args.ckpt.ckpt_path} at step {start_step}" if state else
-                  f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
+    state = resume(engine, args.ckpt)
+    start_step = state["global_step"] if state else 0
     logger = MetricsLogger(args.log, asdict(args), is_rank0())
     if eval_ds and start_step == 0:  # where the student starts
         metrics = evaluate(engine, teacher, eval_ds, eval_cache, args, batch_fn, vocab)
@@ -565,8 +546,8 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
-        per_rank = batch_size // dp_world
-        local = step_indices[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        per_rank = batch_size // world.dp_world
+        local = step_indices[world.dp_rank * per_rank : (world.dp_rank + 1) * per_rank]
         samples = samples_of(train_ds, local)
         on_policy = random.Random(args.train.seed * 1_000_003 + step).random() < args.lmbda  # same draw on every rank
         metrics = {}
@@ -581,7 +562,7 @@ def main(args: Args):
         lr = engine.get_lr()[0]
         step_kd = step_nll = step_gap = 0.0
         for chunk, batch in zip(chunks, micro_batches):
-            logits, targets, counts = (ring_response_logits(engine, batch, ring) if ring else
+            logits, targets, counts = (ring_response_logits(engine, batch, world.ring) if world.ring else
                                        response_logits(engine, batch))
             from_teacher = (stack_cached(train_cache, [local[j] for j in chunk]) if train_cache is not None else
                             teacher_logits(teacher, batch))
@@ -614,10 +595,8 @@ def main(args: Args):
         # ---- boilerplate: log and save (the same text in every script; tests/test_boilerplate.py) ----
         if global_step % args.log.logging_steps == 0 or "eval/loss" in metrics:
             logger.log(metrics, global_step)
-        if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
-            save_checkpoint(engine, args.ckpt.ckpt_path, global_step,
-                            {"global_step": global_step, "consumed_samples": global_step * batch_size},
-                            args.ckpt.max_ckpt_num)
+        maybe_save(engine, args.ckpt, global_step, total_steps,
+                   {"global_step": global_step, "consumed_samples": global_step * batch_size})
         # ---- end of boilerplate: log and save ----
 
     save_hf_model(engine, tokenizer, args.ckpt.save_path, merge_lora=args.ckpt.merge_lora,

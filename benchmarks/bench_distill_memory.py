@@ -55,8 +55,10 @@ def measure(tokens, chunk, divergence, top_k):
     before = peak_gib()
     t0 = time.perf_counter()
     if chunk:
-        student = HeadLogits(student_h, student_w, None, torch.float32, chunk)
-        teacher = HeadLogits(teacher_h, teacher_w, None, torch.float32, chunk)
+        heads = [torch.nn.Linear(HIDDEN, VOCAB, bias=False, device="meta") for _ in range(2)]
+        heads[0].weight, heads[1].weight = torch.nn.Parameter(student_w), torch.nn.Parameter(teacher_w, False)
+        student = HeadLogits(student_h, heads[0], None, chunk)
+        teacher = HeadLogits(teacher_h, heads[1], None, chunk, frozen=True)
     else:
         student, teacher = student_h @ student_w.T, teacher_h @ teacher_w.T
     kd, ce, _ = distill.token_losses(student, targets, teacher, args, VOCAB)

@@ -105,7 +105,7 @@ def test_chunked_losses_equal_whole_logits(assets, student_kind, one_thread):
     in fp32 to 1e-5: per-token KD, CE and argmax hits, and every student gradient (the head weight, tied to the
     embeddings on the Qwen2 student, and all below it, which the final hidden states' gradient reaches); the
     teacher gets no gradient. Teacher llama-10m (hidden 256), its head scaled x20 so its distributions are far from
-    the students' near-uniform ones (KD ~1, not ~0.05). Neither model's lm_head sees a token when chunked. ~5 s."""
+    the students' near-uniform ones (KD ~1, not ~0.05). Chunked, no lm_head call sees more than 16 tokens. ~5 s."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from common.kernels.chunked_head import HeadLogits
@@ -125,7 +125,7 @@ def test_chunked_losses_equal_whole_logits(assets, student_kind, one_thread):
     teacher = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-10m", attn_implementation="sdpa").eval()
     with torch.no_grad():
         teacher.lm_head.weight.mul_(20)
-    head_tokens = []  # tokens through either model's lm_head module (0 on the chunked path: no logits made)
+    head_tokens = []  # tokens per call of either model's lm_head module (a chunk at most on the chunked path)
     for model in (student, teacher):
         model.lm_head.register_forward_hook(lambda m, i, out: head_tokens.append(out.shape[:-1].numel()))
     weights = torch.linspace(0.5, 1.5, n)  # per-token loss weights: every token's gradient on another scale
@@ -148,7 +148,7 @@ def test_chunked_losses_equal_whole_logits(assets, student_kind, one_thread):
             kd, ce, hit = distill.token_losses(logits, targets, t, args, vocab)
             ((weights * (0.7 * kd + 0.3 * ce)).sum() / n).backward()  # a token mean, as in training
             assert all(p.grad is None for p in teacher.parameters())
-            assert (max(head_tokens) == 0) == (chunk > 0), head_tokens
+            assert (max(head_tokens) <= 16) == (chunk > 0), head_tokens
             grads = {name: p.grad.clone() for name, p in student.named_parameters()}
             results.append((kd.detach(), ce.detach(), hit, t, grads))
         (kd, ce, hit, t, grads), (c_kd, c_ce, c_hit, c_t, c_grads) = results
