@@ -51,9 +51,9 @@ from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.infra.engine import (  # noqa: E402
     CkptArgs, ModelArgs, accumulation_steps, all_reduce_sum, backward_scale, device, frozen_engine,
     load_checkpoint, optimizer_step, parse_cli, run, save_checkpoint, save_hf_model, script_ckpt_args, setup,
-    train_engine, unwrap, validate_common_args,
+    train_engine, validate_common_args,
 )
-from common.packing import collate, to_device, unpack  # noqa: E402
+from common.packing import collate, to_device, unpack, unwrap  # noqa: E402
 from common.ring_attention import (  # noqa: E402
     ring_forward, ring_model_args, ring_next_token_values, ring_token_logps, validate_ring_args,
 )

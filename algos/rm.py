@@ -37,9 +37,9 @@ from common.data import BadRow, DataArgs, format_prompt, format_response, get_fi
 from common.infra.datasets import load_tokenizer, prepare_dataset, rank0_first, tokenization_cache_key  # noqa: E402
 from common.infra.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, device, is_rank0, maybe_save, parse_cli, resume,
-    run, save_hf_model, script_ckpt_args, setup, train_engine, unwrap, validate_common_args, world_size_from_env,
+    run, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args, world_size_from_env,
 )
-from common.packing import collate, to_device  # noqa: E402
+from common.packing import collate, to_device, unwrap  # noqa: E402
 from common.infra.reward import lockstep_forwards  # noqa: E402
 from common.ring_attention import RingArgs, ring_model_args, ring_sequence_rewards, validate_ring_args  # noqa: E402
 from common.infra.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402

@@ -34,6 +34,13 @@ def pack_sequences(lengths, max_tokens):
     return rows
 
 
+def unwrap(model):
+    """The Hugging Face model inside a DeepSpeed engine and / or a peft wrapper (token_logps and the reward and value
+    heads take either)."""
+    model = getattr(model, "module", model)  # DeepSpeed engine
+    return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+
+
 def one_row_per_batch(attn_implementation=None):
     """Whether a micro-batch packs as one row: kernels that attend within each packed sample
     (flash-attention's varlen, common.kernels.varlen_attention's varlen_sdpa) do Σ lᵢ² work on any row

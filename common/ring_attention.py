@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from common.kernels.chunked_head import forward_without_logits, head_chunk_tokens, head_token_values
-from common.packing import per_sample_sum, token_logps
+from common.packing import per_sample_sum, token_logps, unwrap
 from common.kernels.varlen_attention import cu_seqlens_from_position_ids, varlen_attention_forward, varlen_backward
 from common.kernels.varlen_attention import varlen_forward
 
@@ -339,7 +339,6 @@ def ring_sequence_rewards(model, batch, ring, value_head_prefix="score"):
     """`common.infra.reward.sequence_rewards` for a one-row batch split over `ring`: every rank's value-head outputs
     are gathered over the ring (autograd), then read at each sample's own last token. With ring None,
     common.infra.reward.sequence_rewards itself."""
-    from common.infra.engine import unwrap
     from common.infra.reward import reward_index, sequence_rewards
 
     if ring is None:

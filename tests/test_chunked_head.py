@@ -101,7 +101,7 @@ def test_token_logps_chunked_equals_whole(assets, kind):
     """token_logps with the chunked head (chunks of 16 over the 148 predictions of a
     144-token row with 5 branches) against whole logits:
     log-probs, argmax hits, entropy and every trainable parameter's gradient of a loss using all of them."""
-    from common.infra.engine import unwrap
+    from common.packing import unwrap
 
     model = tiny(kind, assets)
     batch = batch_with_branches()
@@ -135,7 +135,8 @@ def test_where_the_chunked_head_applies(assets, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from common.infra.engine import ModelArgs, load_causal_lm, unwrap
+    from common.infra.engine import ModelArgs, load_causal_lm
+    from common.packing import unwrap
     from common.kernels.chunked_head import uses_head_module
 
     model = load_causal_lm(ModelArgs(pretrain=f"{assets}/llama-0.5m", logps_chunk_tokens=64))

@@ -298,12 +298,6 @@ def finish(error=None):
     os._exit(0 if error is None else 1)
 
 
-def unwrap(model):
-    """The Hugging Face model inside a DeepSpeed engine and / or a peft wrapper."""
-    model = getattr(model, "module", model)  # DeepSpeed engine
-    return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
-
-
 def is_rank0():
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -619,7 +613,7 @@ def frozen_engine(model_args: ModelArgs, train: TrainArgs, world: World, offload
 def with_layout(engine, ring):
     """Set engine.layout from the attention kernel the model was loaded with (the one place that reads it); with a
     ring, check the model runs it exactly (ValueError naming the flags)."""
-    from common.packing import batch_layout
+    from common.packing import batch_layout, unwrap
 
     if ring is not None:
         from common.ring_attention import check_ring_model

@@ -176,9 +176,7 @@ def head_chunk_tokens(model):
     `logps_chunk_tokens` attribute common.infra.engine.load_causal_lm sets from --logps_chunk_tokens, or 0 (whole
     logits) where it is unset or the model type is outside CHUNKED_HEAD_MODEL_TYPES. Any head module applies
     (plain, tied, LoRA or modules_to_save on lm_head, ZeRO-3 partitioned): see uses_head_module."""
-    from common.infra.engine import unwrap
-
-    hf = unwrap(model)
+    hf = hf_model(model)
     chunk = getattr(hf, "logps_chunk_tokens", 0)
     if not chunk or getattr(hf.config, "model_type", None) not in CHUNKED_HEAD_MODEL_TYPES:
         return 0
@@ -191,6 +189,13 @@ def uses_head_module(head):
     head that is not a plain nn.Linear (a peft wrapper), or one whose weight DeepSpeed ZeRO-3 partitions
     (`ds_id`)."""
     return type(head) is not torch.nn.Linear or any(hasattr(p, "ds_id") for p in head.parameters())
+
+
+def hf_model(model):
+    """The Hugging Face model inside a DeepSpeed engine and / or a peft wrapper (common.packing.unwrap; this kernel
+    imports nothing of the project)."""
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 class HeadOutputs:
@@ -219,9 +224,7 @@ def forward_without_logits(model, **inputs):
     """Call `model` (a DeepSpeed engine keeps its autocast and hooks, peft its adapters) on `inputs` with an
     empty `logits_to_keep`, so it computes no logits; returns a HeadOutputs over the final hidden states, which a
     forward hook on the base model keeps with the autocast dtype they were made under."""
-    from common.infra.engine import unwrap
-
-    hf = unwrap(model)
+    hf = hf_model(model)
     kept = {}
 
     def keep(module, args, out):

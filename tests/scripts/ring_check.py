@@ -146,7 +146,7 @@ def zero3_head_check(path, chunk=16):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    from common.infra.engine import unwrap
+    from common.packing import unwrap
     from common.kernels.chunked_head import head_chunk_tokens, uses_head_module
 
     rank, world = dist.get_rank(), dist.get_world_size()
