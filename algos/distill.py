@@ -36,6 +36,13 @@ of every row's token ids and loss mask, in order), K, the vocabulary size, the d
 attention kernel.  Raw logits are
 stored, so one cache serves every --temperature, --divergence and --kd_coef.
 
+Memory: at a real vocabulary the (response tokens x vocabulary) logits of student and teacher dominate a
+micro-batch, so by default (--logps_chunk_tokens, see common.kernels.chunked_head) neither model makes them: both
+keep their final hidden states at the response positions, and the KD and CE terms are computed per chunk of tokens
+from both heads' logits of that chunk, backward recomputing the chunk; --logps_chunk_tokens 0 is the whole-logits
+path. Whole logits remain where the chunked head does not apply (head_chunk_tokens: model types other than Llama,
+Mistral, Qwen2), for the student under --ring_attn_size > 1, and in a --teacher_cache with K = 0 (all logits, stored).
+
 On-policy (--lmbda > 0): at each step, with probability --lmbda (the same draw on every rank), rank 0
 pushes the student's weights into its in-process vLLM engine (WeightSync), samples one response per
 prompt of the whole step (all ranks' prompts, gathered), and shares them; the teacher scores them token
@@ -63,17 +70,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import BadRow, DataArgs, format_prompt, format_response, get_field, validate_data_args  # noqa: E402
 from common.infra.datasets import load_tokenizer, prepare_dataset, rank0_first, tokenization_cache_key  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, create_eval_engine, create_train_engine,
-    deepspeed_eval_config, device, init_distributed, is_rank0, load_causal_lm, load_checkpoint, parse_cli, run,
-    save_checkpoint, save_hf_model, script_ckpt_args, set_seed, uses_bf16, validate_common_args, world_size_from_env,
+    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, device, frozen_engine, is_rank0, maybe_save,
+    parse_cli, resume, run, save_hf_model, script_ckpt_args, setup, train_engine, uses_bf16, validate_common_args,
+    world_size_from_env,
 )
-from common.packing import collate, lockstep_shard, one_row_per_batch, to_device  # noqa: E402
+from common.packing import batch_layout, collate, lockstep_shard, to_device  # noqa: E402
+from common.kernels.chunked_head import head_chunk_tokens, head_logits_at, map_logit_chunks  # noqa: E402
 from common.infra.gpu import check_weight_sync_model  # noqa: E402
 from common.kernels.varlen_attention import default_attn_implementation  # noqa: E402
-from common.ring_attention import (  # noqa: E402
-    RingArgs, check_ring_model, data_parallel, ring_deepspeed_config, ring_response_logits, setup_ring,
-    validate_ring_args,
-)
+from common.ring_attention import RingArgs, ring_model_args, ring_response_logits, validate_ring_args  # noqa: E402
 from common.infra.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 from common.infra.vllm_engine import (  # noqa: E402
     EngineArgs, EngineError, SamplingArgs, create_vllm_engine, default_max_num_seqs, resolve_max_model_len,
@@ -131,6 +136,7 @@ class Args:
 def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
     dp_world = validate_ring_args(args.ring, world_size_from_env(), args.model, args.data)  # world / ring size
+    args.model = ring_model_args(args.model, args.ring)  # the ring is the attention implementation
     validate_common_args(args.model, args.train, args.ckpt, dp_world)
     validate_data_args(args.data, args.model.attn_implementation)
     if args.model.aux_loss_coef > 0:
@@ -212,11 +218,10 @@ def samples_of(ds, indices):
     return [{"input_ids": i, "loss_mask": m} for i, m in zip(rows["input_ids"], rows["loss_mask"])]
 
 
-def make_batch(samples, args, pad_id, one_row):
-    """Packed rows (one row with a per-sample attention kernel, see common.packing.one_row_per_batch), or
-    padded rows."""
+def make_batch(samples, args, pad_id, layout):
+    """Packed rows (one row where `layout.one_row`, see common.packing.Layout), or padded rows."""
     return collate(samples, pad_id, packing=args.data.packing_samples,
-                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=one_row)
+                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=layout.one_row)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,25 +238,41 @@ def response_positions(batch):
 
 
 def response_logits(model, batch):
-    """(logits (N, V) in float32, targets (N,), loss tokens per sample) for the N loss tokens."""
+    """(logits, targets (N,), loss tokens per sample) for the N loss tokens: logits[s:e] are tokens s..e-1's
+    float32 logits (e - s, V). Where the model's LM head runs chunked (head_chunk_tokens, --logps_chunk_tokens),
+    logits is a HeadLogits that makes them on request from the final hidden states, never (N, V) at once; else the
+    (N, V) tensor itself."""
+    rows, cols, counts = response_positions(batch)
+    targets = batch["input_ids"][rows, cols + 1]
+    if head_chunk_tokens(model):
+        return head_logits_at(model, batch, rows, cols), targets, counts
     outputs = model(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
         use_cache=False,  # with the cache on, packed rows are silently attended as one sequence
     )
-    rows, cols, counts = response_positions(batch)
-    return outputs.logits[rows, cols].float(), batch["input_ids"][rows, cols + 1], counts
+    return outputs.logits[rows, cols].float(), targets, counts
+
+
+@torch.no_grad()
+def teacher_logits(teacher, batch):
+    """The frozen teacher's logits of the loss tokens, as response_logits gives them (detached)."""
+    return response_logits(teacher, batch)[0].detach()
+
+
+def top_k_logits(logits, top_k, vocab):
+    """Teacher logits over the shared vocabulary: (values (n, K), ids (n, K)) of the top_k, else (all (n, vocab),
+    None)."""
+    logits = logits[:, :vocab]
+    return logits.topk(top_k, dim=-1) if top_k else (logits, None)
 
 
 @torch.no_grad()
 def teacher_targets(teacher, batch, top_k, vocab):
-    """The teacher's logits of the loss tokens over the shared vocabulary: (values (N, K), ids (N, K))
-    with top_k, else (all logits (N, vocab), None)."""
+    """What the teacher cache stores for a batch: top_k_logits of the loss tokens (a chunk at a time) and loss
+    tokens per sample."""
     logits, _, counts = response_logits(teacher, batch)
-    logits = logits[:, :vocab]
-    if top_k:
-        values, ids = logits.topk(top_k, dim=-1)
-        return values, ids, counts
-    return logits, None, counts
+    values, ids = map_logit_chunks(logits, lambda chunk, s, e: top_k_logits(chunk, top_k, vocab))
+    return values, ids, counts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,12 +305,23 @@ def ce_weight(args: Args, on_policy):
     return 0.0 if on_policy else 1 - args.kd_coef
 
 
-def token_losses(student_logits, targets, teacher_logits, teacher_ids, args: Args, vocab):
-    """Per-token (KD term, CE) over the loss tokens; the KD term on the shared vocabulary."""
-    kd = divergence(student_logits[:, :vocab], teacher_logits, teacher_ids, args.divergence, args.jsd_beta,
-                    args.temperature)
-    ce = torch.logsumexp(student_logits, -1) - student_logits.gather(-1, targets[:, None]).squeeze(-1)
-    return kd, ce
+def token_losses(student_logits, targets, teacher, args: Args, vocab):
+    """Per-token (KD term, CE, argmax hit) over the loss tokens; the KD term on the shared vocabulary.
+    `student_logits` as response_logits gives them; `teacher`: the live teacher's logits of the same tokens
+    (teacher_logits) or the cache's (values, ids) (stack_cached). Computed a chunk of tokens at a time where the
+    student's head runs chunked (map_logit_chunks: backward recomputes each chunk)."""
+
+    def chunk_losses(logits, s, e):  # logits: the student's, float32 (e - s, V), of loss tokens s..e-1
+        if isinstance(teacher, tuple):
+            t_values, t_ids = (None if cached is None else cached[s:e] for cached in teacher)
+        else:
+            t_values, t_ids = top_k_logits(teacher[s:e], args.teacher_top_k, vocab)
+        kd = divergence(logits[:, :vocab], t_values, t_ids, args.divergence, args.jsd_beta, args.temperature)
+        target = targets[s:e]
+        ce = torch.logsumexp(logits, -1) - logits.gather(-1, target[:, None]).squeeze(-1)
+        return kd, ce, logits.argmax(-1) == target
+
+    return map_logit_chunks(student_logits, chunk_losses)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,15 +418,12 @@ def evaluate(engine, teacher, eval_ds, eval_cache, args, batch_fn, vocab):
         chunk, valid = padded[start : start + micro], mine[start : start + micro]
         batch = to_device(batch_fn(samples_of(eval_ds, chunk)), device())
         logits, targets, counts = response_logits(engine, batch)
-        if eval_cache is not None:
-            t_values, t_ids = stack_cached(eval_cache, chunk)
-        else:
-            t_values, t_ids, _ = teacher_targets(teacher, batch, args.teacher_top_k, vocab)
-        kd, ce = token_losses(logits, targets, t_values, t_ids, args, vocab)
+        from_teacher = stack_cached(eval_cache, chunk) if eval_cache is not None else teacher_logits(teacher, batch)
+        kd, ce, hit = token_losses(logits, targets, from_teacher, args, vocab)
         n = int(counts[: len(valid)].sum())  # the padding repeats item 0: count only real items
         kd_sum += kd[:n].sum().item()
         nll += ce[:n].sum().item()
-        correct += (logits[:n].argmax(-1) == targets[:n]).sum().item()
+        correct += hit[:n].sum().item()
         tokens += n
     kd_sum, nll, tokens, correct = all_reduce_sum([kd_sum, nll, tokens, correct])
     engine.train()
@@ -436,13 +465,7 @@ def on_policy_samples(llm, sync, engine, samples, args, step):
 # Training
 # ----------------------------------------------------------------------------------------------
 def main(args: Args):
-    init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    # ---- boilerplate: ring attention (the same text in every script; tests/test_boilerplate.py) ----
-    ring = setup_ring(args.ring)  # None without --ring_attn_size
-    dp_rank, dp_world = data_parallel(ring)  # the ranks of a ring share their samples
-    # ---- end of boilerplate: ring attention ----
-    set_seed(args.train.seed)
+    world = setup(args.ring, args.train.seed)  # ranks, data-parallel share, ring
     tokenizer = load_tokenizer(args.model.pretrain, args.data)
     vocab = check_teacher(args)  # the logits of both models are compared over the shared token ids
 
@@ -472,13 +495,13 @@ def main(args: Args):
     def load_teacher():
         nonlocal teacher
         if teacher is None:
-            config = deepspeed_eval_config(args.train, world, offload=args.teacher_offload)
-            teacher_args = ModelArgs(pretrain=args.teacher_model, attn_implementation=args.model.attn_implementation)
-            teacher = create_eval_engine(load_causal_lm(teacher_args, config), config)
+            teacher_args = ModelArgs(pretrain=args.teacher_model, attn_implementation=args.model.attn_implementation,
+                                     logps_chunk_tokens=args.model.logps_chunk_tokens)
+            teacher = frozen_engine(teacher_args, args.train, world, offload=args.teacher_offload)
         return teacher
 
-    one_row = ring is not None or one_row_per_batch(args.model.attn_implementation)
-    batch_fn = lambda samples: make_batch(samples, args, pad_id, one_row)  # noqa: E731
+    layout = batch_layout(args.model.attn_implementation, world.ring)  # before any model loads (the teacher cache)
+    batch_fn = lambda samples: make_batch(samples, args, pad_id, layout)  # noqa: E731
     train_cache = eval_cache = None
     if args.teacher_cache:
         fingerprint = [teacher_fingerprint(args.teacher_model) if is_rank0() else None]
@@ -498,27 +521,18 @@ def main(args: Args):
     else:
         load_teacher()
 
-    ds_config = ring_deepspeed_config(args.train, world, ring)
-    model = load_causal_lm(args.model, ds_config)
-    check_ring_model(model, ring)
-    engine = create_train_engine(model, args.train, ds_config, total_steps)
+    engine = train_engine(args.model, args.train, total_steps, world)
     llm = sync = None
     if args.lmbda > 0:  # the student's sampler: a vLLM engine on rank 0, fed the trainer's weights
         from common.infra.weight_sync import WeightSync  # imports vLLM: only for on-policy runs
 
         llm = (create_vllm_engine(args.model.pretrain, args.vllm, max_num_seqs=default_max_num_seqs(
             args.train.train_batch_size), bf16=uses_bf16(args.train))
-               if rank == 0 else None)  # one sample per prompt of every rank
+               if is_rank0() else None)  # one sample per prompt of every rank
         sync = WeightSync([llm] if llm is not None else [], colocated=True, tp_size=args.vllm.tp_size,
                           timeout_s=args.rendezvous_timeout, dtype=torch.bfloat16 if uses_bf16(args.train) else None)
-    start_step = 0
-    if args.ckpt.load_checkpoint:
-        state = load_checkpoint(engine, args.ckpt.ckpt_path)
-        if state is not None:
-            start_step = state["global_step"]
-        if is_rank0():
-            print(f"resumed from {args.ckpt.ckpt_path} at step {start_step}" if state else
-                  f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
+    state = resume(engine, args.ckpt)
+    start_step = state["global_step"] if state else 0
     logger = MetricsLogger(args.log, asdict(args), is_rank0())
     if eval_ds and start_step == 0:  # where the student starts
         metrics = evaluate(engine, teacher, eval_ds, eval_cache, args, batch_fn, vocab)
@@ -532,8 +546,8 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
-        per_rank = batch_size // dp_world
-        local = step_indices[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        per_rank = batch_size // world.dp_world
+        local = step_indices[world.dp_rank * per_rank : (world.dp_rank + 1) * per_rank]
         samples = samples_of(train_ds, local)
         on_policy = random.Random(args.train.seed * 1_000_003 + step).random() < args.lmbda  # same draw on every rank
         metrics = {}
@@ -548,19 +562,17 @@ def main(args: Args):
         lr = engine.get_lr()[0]
         step_kd = step_nll = step_gap = 0.0
         for chunk, batch in zip(chunks, micro_batches):
-            logits, targets, counts = (ring_response_logits(engine, batch, ring) if ring else
+            logits, targets, counts = (ring_response_logits(engine, batch, world.ring) if world.ring else
                                        response_logits(engine, batch))
-            if train_cache is not None:
-                t_values, t_ids = stack_cached(train_cache, [local[j] for j in chunk])
-            else:
-                t_values, t_ids, _ = teacher_targets(teacher, batch, args.teacher_top_k, vocab)
-            kd, ce = token_losses(logits, targets, t_values, t_ids, args, vocab)
+            from_teacher = (stack_cached(train_cache, [local[j] for j in chunk]) if train_cache is not None else
+                            teacher_logits(teacher, batch))
+            kd, ce, _ = token_losses(logits, targets, from_teacher, args, vocab)
             grad_norm = backward_step(engine, args.kd_coef * kd.sum() + ce_weight(args, on_policy) * ce.sum(),
                                       step_tokens)
             step_kd += kd.sum().item()
             step_nll += ce.sum().item()
             if on_policy:  # vLLM's log-probs of its samples vs the trainer's: the sync worked if they agree
-                sampled = torch.tensor([lp for j in chunk for lp in vllm_logps[j]], device=logits.device)
+                sampled = torch.tensor([lp for j in chunk for lp in vllm_logps[j]], device=ce.device)
                 step_gap = max(step_gap, (sampled + ce.detach()).abs().max().item() if len(sampled) else 0.0)
 
         global_step = step + 1
@@ -583,10 +595,8 @@ def main(args: Args):
         # ---- boilerplate: log and save (the same text in every script; tests/test_boilerplate.py) ----
         if global_step % args.log.logging_steps == 0 or "eval/loss" in metrics:
             logger.log(metrics, global_step)
-        if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
-            save_checkpoint(engine, args.ckpt.ckpt_path, global_step,
-                            {"global_step": global_step, "consumed_samples": global_step * batch_size},
-                            args.ckpt.max_ckpt_num)
+        maybe_save(engine, args.ckpt, global_step, total_steps,
+                   {"global_step": global_step, "consumed_samples": global_step * batch_size})
         # ---- end of boilerplate: log and save ----
 
     save_hf_model(engine, tokenizer, args.ckpt.save_path, merge_lora=args.ckpt.merge_lora,

@@ -46,18 +46,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import BadRow, DataArgs, format_prompt, format_response, get_field, validate_data_args  # noqa: E402
 from common.infra.datasets import load_tokenizer, prepare_dataset, rank0_first, tokenization_cache_key  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, create_eval_engine, create_train_engine,
-    deepspeed_eval_config, device, run, init_distributed, is_rank0, load_causal_lm, load_checkpoint,
-    parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args,
+    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, device, frozen_engine, is_rank0, maybe_save,
+    parse_cli, resume, run, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args,
     world_size_from_env,
 )
-from common.packing import collate, one_row_per_batch, per_sample_sum, sharded_logps, to_device  # noqa: E402
-from common.ring_attention import (  # noqa: E402
-    RingArgs, check_ring_model, data_parallel, ring_deepspeed_config, ring_response_logps, setup_ring,
-    validate_ring_args,
-)
+from common.packing import collate, per_sample_sum, sharded_logps, to_device  # noqa: E402
+from common.ring_attention import RingArgs, ring_model_args, ring_response_logps, validate_ring_args  # noqa: E402
 from common.infra.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
-from common.infra.gpu import PACKED as VARLEN_ATTENTION  # noqa: E402
 
 
 @dataclass
@@ -97,6 +92,7 @@ class Args:
 def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
     dp_world = validate_ring_args(args.ring, world_size_from_env(), args.model, args.data)  # world / ring size
+    args.model = ring_model_args(args.model, args.ring)  # the ring is the attention implementation
     validate_common_args(args.model, args.train, args.ckpt, dp_world)
     validate_data_args(args.data, args.model.attn_implementation)
     if args.beta <= 0:
@@ -135,7 +131,8 @@ def pref_row(row, tokenizer, args: Args):
 
 def pair_samples(ds, indices):
     """The chosen samples of the pairs `indices`, then their rejected samples (one packed forward); each
-    rejected sample names the prompt it shares with its chosen one (used with make_batch's share_prompt)."""
+    rejected sample names the prompt it shares with its chosen one (make_batch lays it out once where the
+    kernel reads branches)."""
     rows = ds[list(indices)]
     chosen = [{"input_ids": p + c, "loss_mask": [0] * len(p) + [1] * len(c)}
               for p, c in zip(rows["prompt_ids"], rows["chosen_ids"])]
@@ -144,12 +141,12 @@ def pair_samples(ds, indices):
     return chosen + rejected
 
 
-def make_batch(samples, args, pad_id, one_row, share_prompt=False):
-    """Packed rows (one row with a per-sample attention kernel, see common.packing.one_row_per_batch), or
-    padded rows; with share_prompt, rejected responses as branches of their chosen samples' prompts."""
+def make_batch(samples, args, pad_id, layout):
+    """Packed rows (one row where `layout.one_row`, see common.packing.Layout), or padded rows; where the kernel
+    reads branches (`layout.share_prefixes`), rejected responses as branches of their chosen samples' prompts."""
     return collate(samples, pad_id, packing=args.data.packing_samples,
-                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=one_row,
-                   share_prefixes=share_prompt)
+                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=layout.one_row,
+                   share_prefixes=args.data.packing_samples and layout.share_prefixes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,13 +203,7 @@ def evaluate(engine, ref, eval_ds, eval_ref, args, batch_fn):
 # Training
 # ----------------------------------------------------------------------------------------------
 def main(args: Args):
-    init_distributed()
-    world = dist.get_world_size()
-    # ---- boilerplate: ring attention (the same text in every script; tests/test_boilerplate.py) ----
-    ring = setup_ring(args.ring)  # None without --ring_attn_size
-    dp_rank, dp_world = data_parallel(ring)  # the ranks of a ring share their samples
-    # ---- end of boilerplate: ring attention ----
-    set_seed(args.train.seed)
+    world = setup(args.ring, args.train.seed)  # ranks, data-parallel share, ring
     tokenizer = load_tokenizer(args.model.pretrain, args.data)
 
     # rank 0 tokenizes first and fills the datasets cache; the others then read it (a data error stops all)
@@ -235,14 +226,11 @@ def main(args: Args):
     pad_id = tokenizer.pad_token_id
 
     # the frozen reference: cache its log-probs and free it, or keep it for live use
-    ref_config = deepspeed_eval_config(args.train, world, offload=args.ref_offload)
     ref_args = ModelArgs(pretrain=args.ref_pretrain or args.model.pretrain,
                          attn_implementation=args.model.attn_implementation, load_in_4bit=args.model.load_in_4bit)
-    ref = create_eval_engine(load_causal_lm(ref_args, ref_config), ref_config)
-    one_row = ring is not None or one_row_per_batch(ref.module.config._attn_implementation)
-    share_prompt = (ring is None and args.data.packing_samples  # the varlen kernel reads branches from positions
-                    and ref.module.config._attn_implementation == VARLEN_ATTENTION)
-    batch_fn = lambda samples: make_batch(samples, args, pad_id, one_row, share_prompt)  # noqa: E731
+    ref = frozen_engine(ref_args, args.train, world, offload=args.ref_offload)
+    layout = ref.layout  # the policy's too: the same attention kernel
+    batch_fn = lambda samples: make_batch(samples, args, pad_id, layout)  # noqa: E731
     ref_cache = eval_ref_cache = None
     if args.ref_cache:
         t0 = time.time()
@@ -260,18 +248,9 @@ def main(args: Args):
             print(f"cached reference log-probs of {len(train_ds)} training and {len(eval_ds) if eval_ds else 0} eval "
                   f"pairs in {time.time() - t0:.1f}s; reference model freed")
 
-    ds_config = ring_deepspeed_config(args.train, world, ring)
-    model = load_causal_lm(args.model, ds_config)
-    check_ring_model(model, ring)
-    engine = create_train_engine(model, args.train, ds_config, total_steps)
-    start_step = 0
-    if args.ckpt.load_checkpoint:
-        state = load_checkpoint(engine, args.ckpt.ckpt_path)
-        if state is not None:
-            start_step = state["global_step"]
-        if is_rank0():
-            print(f"resumed from {args.ckpt.ckpt_path} at step {start_step}" if state else
-                  f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
+    engine = train_engine(args.model, args.train, total_steps, world)
+    state = resume(engine, args.ckpt)
+    start_step = state["global_step"] if state else 0
     logger = MetricsLogger(args.log, asdict(args), is_rank0())
 
     bar = progress(range(start_step, total_steps), is_rank0(), desc="dpo", initial=start_step, total=total_steps)
@@ -280,21 +259,21 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
-        per_rank = batch_size // dp_world
-        local = step_indices[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        per_rank = batch_size // world.dp_world
+        local = step_indices[world.dp_rank * per_rank : (world.dp_rank + 1) * per_rank]
 
         lr = engine.get_lr()[0]
         sums = {}
         for m in range(0, per_rank, micro):
             idx = local[m : m + micro]
             batch = to_device(batch_fn(pair_samples(train_ds, idx)), device())
-            logps, outputs = ring_response_logps(engine, batch, ring)
+            logps, outputs = ring_response_logps(engine, batch, world.ring)
             chosen, rejected = logps[: len(idx)], logps[len(idx) :]
             if ref_cache is not None:
                 ref_chosen, ref_rejected = ref_cache[idx].unbind(1)
             else:
                 with torch.no_grad():
-                    ref_logps, _ = ring_response_logps(ref, batch, ring)
+                    ref_logps, _ = ring_response_logps(ref, batch, world.ring)
                 ref_chosen, ref_rejected = ref_logps[: len(idx)], ref_logps[len(idx) :]
             losses, r_w, r_l = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.ipo,
                                         args.label_smoothing)
@@ -307,7 +286,8 @@ def main(args: Args):
             if args.model.aux_loss_coef > 0:  # MoE load balancing, a mean per micro-batch as DeepSpeed averages it
                 aux = args.model.aux_loss_coef * outputs.aux_loss
                 stats["aux_loss"] = outputs.aux_loss.item() * micro  # / step pairs = mean over micro-batches
-            grad_norm = backward_step(engine, loss_sum, per_rank * world, averaged=aux)  # pairs, counted on every rank
+            # the step's pairs, counted on every rank
+            grad_norm = backward_step(engine, loss_sum, per_rank * world.size, averaged=aux)
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
 
@@ -326,10 +306,8 @@ def main(args: Args):
         # ---- boilerplate: log and save (the same text in every script; tests/test_boilerplate.py) ----
         if global_step % args.log.logging_steps == 0 or "eval/loss" in metrics:
             logger.log(metrics, global_step)
-        if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
-            save_checkpoint(engine, args.ckpt.ckpt_path, global_step,
-                            {"global_step": global_step, "consumed_samples": global_step * batch_size},
-                            args.ckpt.max_ckpt_num)
+        maybe_save(engine, args.ckpt, global_step, total_steps,
+                   {"global_step": global_step, "consumed_samples": global_step * batch_size})
         # ---- end of boilerplate: log and save ----
 
     save_hf_model(engine, tokenizer, args.ckpt.save_path, merge_lora=args.ckpt.merge_lora,

@@ -43,66 +43,38 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Annotated, Literal, Optional
+from typing import Literal, Optional
 
 import torch
-import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common.infra.datasets import load_tokenizer  # noqa: E402
 from common.infra.cluster import (  # noqa: E402
     environment, join_group, load_prompts, off_policy, reference_args, rendezvous_address, reward_function,
-    rollout_steps, start_engines, start_group, start_ray, start_reward_models, trainer_bundles, validate_rollout_args,
-    weight_sync,
+    resolve_rollout_args, rollout_steps, start_engines, start_group, start_ray, start_reward_models, trainer_bundles,
+    validate_rollout_args, weight_sync,
 )
 from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, create_eval_engine, create_train_engine,
-    deepspeed_eval_config, device, run, load_causal_lm, load_checkpoint,
-    parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, validate_common_args,
+    CkptArgs, all_reduce_sum, backward_step, device, frozen_engine, load_checkpoint, parse_cli,
+    run, save_checkpoint, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args,
 )
-from common.episodes import AgentArgs  # noqa: E402
-from common.packing import one_row_per_batch, to_device, unpack  # noqa: E402
-from common.ring_attention import (  # noqa: E402
-    RingArgs, check_ring_model, ring_deepspeed_config, ring_token_logps, setup_ring, validate_ring_args,
-)
+from common.packing import to_device, unpack  # noqa: E402
+from common.ring_attention import ring_model_args, ring_token_logps, validate_ring_args  # noqa: E402
 from common.rollout import (  # noqa: E402
-    AsyncArgs, RLArgs, RolloutEngineArgs, RolloutLogArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
+    RLArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
     model_tokens, rollout_metrics, rollout_samples, split_steps, token_sample,
 )
 from common.infra.tracking import MetricsLogger, eval_due, progress  # noqa: E402
-from common.infra.gpu import PACKED as VARLEN_ATTENTION  # noqa: E402
 
 ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline")
 GROUP_ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline")
 
 
 @dataclass
-class ActorTrainArgs(TrainArgs):
-    train_batch_size: int = 64
-    """Global samples (responses) per optimizer step, across all trainer ranks."""
-    max_epochs: int = 1
-    """Passes over each rollout's samples (PPO epochs)."""
-    learning_rate: Annotated[float, tyro.conf.arg(name="actor_learning_rate")] = 1e-6
-    """Peak learning rate of the policy (AdamW)."""
-    lr_warmup_ratio: float = 0.0
-    """Fraction of optimizer steps with linear warmup (OpenRLHF's RL default: 0.03)."""
-    lr_scheduler: str = "constant_with_warmup"
-    """Any transformers scheduler name; constant by default (OpenRLHF's RL default: cosine_with_min_lr, down to
-    --min_lr_ratio 0.1 of the peak)."""
-
-
-@dataclass
 class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers share (common/rollout.py)
-    model: ModelArgs = field(default_factory=ModelArgs)
-    train: ActorTrainArgs = field(default_factory=ActorTrainArgs)
-    engine: RolloutEngineArgs = field(default_factory=RolloutEngineArgs)
     ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
-    log: RolloutLogArgs = field(default_factory=RolloutLogArgs)
-    agent: AgentArgs = field(default_factory=AgentArgs)  # multi-turn environments (common/episodes.py)
-    async_rollout: AsyncArgs = field(default_factory=AsyncArgs)  # rollouts up to K steps ahead, their bound
-    ring: RingArgs = field(default_factory=RingArgs)  # the trainer's (and reference's) rows split over rings
     # -- loss
     advantage_estimator: Literal["group_norm", "dr_grpo", "rloo", "reinforce", "reinforce_baseline"] = "group_norm"
     """group_norm: GRPO (r - mean) / (std + eps) in the group; dr_grpo: r - mean and a constant loss normaliser;
@@ -141,31 +113,20 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
     """Nodes for the trainer group."""
     actor_num_gpus_per_node: int = 1
     """Trainer ranks per node (devices on CUDA, processes on CPU)."""
-    vllm_num_engines: int = 1
-    """vLLM engines (each --vllm_tensor_parallel_size devices; on CPU one engine's decode loop uses one core)."""
-    colocate_all_models: bool = False
-    """Put trainers, vLLM engines and reward models on the same devices (one placement-group bundle each)."""
-    vllm_enable_sleep: bool = False
-    """Sleep the vLLM engines while training (CUDA; a logged no-op on CPU)."""
-    ray_address: Optional[str] = None
-    """Join this Ray cluster (default: start a local Ray)."""
-    startup_timeout: float = 900.0
-    """Seconds every role (trainers, vLLM engines, reward models) may take to load its models and start."""
-    rendezvous_timeout: float = 120.0
-    """Seconds a group set-up (trainer group, weight-sync group) waits for its members; then it stops naming who
-    did not join."""
 
 
 def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
     dp_world = validate_ring_args(args.ring, world, args.model)  # trainer ranks / ring size
+    args.model = ring_model_args(args.model, args.ring)  # the ring is the attention implementation
     validate_common_args(args.model, args.train, args.ckpt, dp_world)
     if args.n_samples_per_prompt == 1 and args.advantage_estimator in GROUP_ESTIMATORS:
         raise ValueError(f"--advantage_estimator {args.advantage_estimator} compares samples of the same prompt: "
                          f"set --n_samples_per_prompt >= 2 (or use --advantage_estimator reinforce)")
     validate_rollout_args(args, world, "grpo.py")
-    return args
+    check_loss_flags(args)  # beside the loss terms they configure
+    return resolve_rollout_args(args)  # derived settings; the reward and environment files load here
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,6 +240,25 @@ def policy_loss(logps, old_logps, advantages, eps_low, eps_high, dual_clip=None)
     if dual_clip is not None:
         loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
     return loss, (surr2 < surr1).float()
+
+def check_loss_flags(args):
+    """The checks of the flags these terms read (parse_args calls it; raises ValueError naming the flag)."""
+    if args.use_kl_loss and args.init_kl_coef <= 0:
+        raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
+    if args.use_kl_loss and args.kl_estimator == "k1":  # E[grad k1] = E[grad log p] = 0 under the policy
+        raise ValueError("--use_kl_loss with --kl_estimator k1 regularises nothing (the expected gradient of k1 as a "
+                         "loss is 0): use --kl_estimator k3 (the gradient of KL(ref||policy), GRPO's) or k2 (of "
+                         "KL(policy||ref))")
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
+    if off_policy(args):  # samples one update old: the clip is the trust region that keeps that stable
+        eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
+        if not (0 < eps_low < 1 and 0 < eps_high < 1):
+            raise ValueError(f"--async_train with --max_staleness {args.async_rollout.max_staleness} needs a clipped "
+                             f"ratio: --eps_clip / --eps_clip_low_high bounds in (0, 1), got {eps_low}, {eps_high}")
+        if args.vllm_is_truncation > 0:
+            raise ValueError("--vllm_is_truncation with --async_train --max_staleness > 0: the old policy is already "
+                             "vLLM's (the ratio p_trainer / p_vllm is the clipped PPO ratio)")
 # ---- end of boilerplate: actor loss terms ----
 
 
@@ -377,20 +357,14 @@ class PolicyTrainer:
     def setup(self, master_addr, master_port, num_training_steps):
         """Join the trainer group (bounded by --rendezvous_timeout) and load the models."""
         args = self.args
-        join_group(self.rank, self.world, master_addr, master_port, args.rendezvous_timeout, args.train.seed,
+        join_group(self.rank, self.world, master_addr, master_port, args.cluster.rendezvous_timeout, args.train.seed,
                    args.actor_num_gpus_per_node)  # the phases run one at a time: each takes the node's cores
-        self.ring = setup_ring(args.ring)  # None without --ring_attn_size
-        ds_config = ring_deepspeed_config(args.train, self.world, self.ring)
-        model = load_causal_lm(args.model, ds_config)
-        check_ring_model(model, self.ring)
-        self.one_row = self.ring is not None or one_row_per_batch(model.config._attn_implementation)
-        self.share_prompt = model.config._attn_implementation == VARLEN_ATTENTION  # the kernel reads branches
-        self.engine = create_train_engine(model, args.train, ds_config, num_training_steps)
-        self.ref = None
-        if args.init_kl_coef > 0:  # coefficient 0: no reference model at all
-            ref_config = deepspeed_eval_config(args.train, self.world)
-            ref_model = load_causal_lm(reference_args(args), ref_config)
-            self.ref = create_eval_engine(ref_model, ref_config)
+        world = setup(args.ring, args.train.seed)  # the group joined above; its rings
+        self.ring = world.ring  # None without --ring_attn_size
+        self.engine = train_engine(args.model, args.train, num_training_steps, world)
+        self.layout = self.engine.layout
+        # coefficient 0: no reference model at all
+        self.ref = frozen_engine(reference_args(args), args.train, world) if args.init_kl_coef > 0 else None
         return True
 
     def setup_weight_sync(self, engines):
@@ -409,7 +383,8 @@ class PolicyTrainer:
         micro, max_tokens = self.args.micro_rollout_batch_size, self.max_tokens(samples)
         for start in range(0, len(samples), micro):
             chunk = samples[start : start + micro]
-            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.one_row, share_prompt=self.share_prompt),
+            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.layout.one_row,
+                                         share_prompt=self.layout.share_prefixes),
                               device())
             for key, model in (("old_logps", self.engine if policy else None), ("ref_logps", self.ref)):
                 if model is None:
@@ -435,11 +410,13 @@ class PolicyTrainer:
         for samples in steps:
             max_tokens = self.max_tokens(samples)
             chunks, skipped = micro_batches(samples, micro, args)
-            batches = [to_device(make_batch(chunk, self.pad_id, max_tokens, self.one_row, values, self.share_prompt),
+            batches = [to_device(make_batch(chunk, self.pad_id, max_tokens, self.layout.one_row, values,
+                                            self.layout.share_prefixes),
                                  device()) for chunk in chunks]
-            # counted on every rank: the ranks of a ring count their samples ring-size times, as DeepSpeed
-            # counts them (ring_deepspeed_config), and the loss is the ring's ring-size times. The normaliser
-            # counts the skipped samples too; the metrics are means over what ran (token means in every mode)
+            # counted on every rank: the ranks of a ring count their samples ring-size times, as DeepSpeed counts
+            # them (common.infra.engine.deepspeed_config), and the loss is the ring's ring-size times. The
+            # normaliser counts the skipped samples too; the metrics are means over what ran (token means in every
+            # mode)
             tokens, sequences, run_tokens, run_sequences, skipped = all_reduce_sum([
                 sum(sum(token_sample(s)["loss_mask"]) for s in samples), sum(not s.get("masked") for s in samples),
                 sum(b["loss_mask"].sum().item() for b in batches),
@@ -469,11 +446,11 @@ class PolicyTrainer:
         totals["vllm_logp_max_abs_diff"] = diff.item()
         return totals
 
-    def save_checkpoint(self, step, client_state):
+    def checkpoint(self, step, client_state):
         save_checkpoint(self.engine, self.args.ckpt.ckpt_path, step, client_state, self.args.ckpt.max_ckpt_num)
         return True
 
-    def load_checkpoint(self):
+    def restore(self):
         return load_checkpoint(self.engine, self.args.ckpt.ckpt_path)
 
     def save_model(self, path):
@@ -493,9 +470,9 @@ def place_models(args, world, pad_id, roles):
 
 
     gpu = ray.cluster_resources().get("GPU", 0) > 0
-    at = trainer_bundles(roles, args.actor_num_nodes, args.actor_num_gpus_per_node, gpu, args.startup_timeout,
+    at = trainer_bundles(roles, args.actor_num_nodes, args.actor_num_gpus_per_node, gpu, args.cluster.startup_timeout,
                          "trainer")
-    colocated = args.colocate_all_models
+    colocated = args.cluster.colocate_all_models
     # colocated: up to five roles share one device, and roles split their bundle's CPU
     cpus, gpus = (0.5, 0.2 if gpu else 0) if colocated else (1, 1 if gpu else 0)
     trainers = [roles.add(f"trainer rank {r}", actor_class(PolicyTrainer).options(
@@ -522,16 +499,16 @@ def main(args: Args):
     optimizer_steps = total_steps * per_step // args.train.train_batch_size * args.train.max_epochs
     timeout_s = args.async_rollout.rollout_timeout
 
-    start_ray(args, 2 * world + args.vllm_num_engines + 1, ROOT)
+    start_ray(args, 2 * world + args.cluster.vllm_num_engines + 1, ROOT)
     roles = Roles()
     trainers, engines, reward_models = place_models(args, world, tokenizer.pad_token_id, roles)
-    roles.ready(args.startup_timeout)  # every role is up before anyone waits on another in a rendezvous
+    roles.ready(args.cluster.startup_timeout)  # every role is up before anyone waits on another in a rendezvous
     roles.get(start_group(roles, trainers, optimizer_steps))
     roles.get([t.setup_weight_sync.remote(engines) for t in trainers])
 
     state = {"global_step": 0, "consumed_prompts": 0, "best_pass1": -math.inf}
     if args.ckpt.load_checkpoint:
-        loaded = roles.get([t.load_checkpoint.remote() for t in trainers])[0]
+        loaded = roles.get([t.restore.remote() for t in trainers])[0]
         if loaded:
             state.update(loaded["grpo_state"])
             roles.get([t.sync_weights.remote() for t in trainers])  # the engines still hold the start weights
@@ -547,8 +524,9 @@ def main(args: Args):
         return collect_rollout(args, roles, engines, prompts, start, version, reward_fn, reward_models, tokenizer,
                                env_cls)
 
+    one_behind = off_policy(args)  # samples from the weights one update before the trainer's (--async_train)
     rollouts = None  # synchronous: each step's rollout is collected when the step asks for it
-    if off_policy(args):  # --async_train: a thread collects the next steps' rollouts while the trainer updates
+    if one_behind:  # --async_train: a thread collects the next steps' rollouts while the trainer updates
         from common.async_rollouts import Rollouts
 
         rollouts = Rollouts(args, collect, state["global_step"], total_steps, state["consumed_prompts"])
@@ -573,7 +551,7 @@ def main(args: Args):
         # 3. log-probs before the update: policy (old, unless single_update or off-policy) and reference;
         # each ring its contiguous shard (trainer rank r is in ring r // ring size; its first rank answers)
         t0 = time.time()
-        shard, policy_pass = per_step // (world // ring_size), not single_update(args) and not off_policy(args)
+        shard, policy_pass = per_step // (world // ring_size), not single_update(args) and not one_behind
         if policy_pass or args.init_kl_coef > 0:
             outs = roles.get([t.logprobs.remote(samples[r // ring_size * shard : (r // ring_size + 1) * shard],
                                                 policy_pass) for r, t in enumerate(trainers)])[::ring_size]
@@ -583,7 +561,7 @@ def main(args: Args):
                         s["old_logps"] = out["old_logps"][k]
                     if out["ref_logps"]:
                         s["ref_logps"] = out["ref_logps"][k]
-        if off_policy(args):  # the behaviour policy: the weights that sampled them, one update before the trainer's
+        if one_behind:  # the behaviour policy: the weights that sampled them, one update before the trainer's
             for s in samples:
                 s["old_logps"] = s["vllm_logps"]
         phase("logprobs", t0)
@@ -595,7 +573,7 @@ def main(args: Args):
             s["advantages"] = a.tolist()
 
         # 5. policy update: epochs x optimizer steps, each step's samples split over the rings
-        if args.vllm_enable_sleep:
+        if args.cluster.vllm_enable_sleep:
             roles.get([e.sleep.remote() for e in engines])
         t0 = time.time()
         ring_steps = split_steps(samples, args, step, world // ring_size)
@@ -604,7 +582,7 @@ def main(args: Args):
         phases.update(1)
 
         # 6. push the new weights into every engine, once they have finished the rollouts due on the old ones
-        if args.vllm_enable_sleep:
+        if args.cluster.vllm_enable_sleep:
             roles.get([e.wake_up.remote() for e in engines])
         t0 = time.time()
         with rollouts.new_weights() if rollouts else contextlib.nullcontext():
@@ -621,7 +599,7 @@ def main(args: Args):
         metrics = {**rollout_metrics(rollout, samples, raw_rewards, step),
                    "perf/sync_mb": sync["bytes"] / 2**20, "perf/samples_per_s": per_step / (time.time() - t_step),
                    **timing, **{f"train/{k}": v for k, v in train_metrics.items()}}
-        if not off_policy(args):  # the trainer's log-probs before the update vs vLLM's on the same weights
+        if not one_behind:  # the trainer's log-probs before the update vs vLLM's on the same weights
             metrics["check/vllm_logp_max_abs_diff"] = vllm_diff
         metrics.update(kl_to_reference(samples))
         bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")
@@ -635,7 +613,7 @@ def main(args: Args):
         if global_step % args.log.logging_steps == 0 or "eval/pass@1" in metrics:
             logger.log(metrics, global_step)
         if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
-            roles.get([t.save_checkpoint.remote(global_step, {"grpo_state": dict(state)}) for t in trainers])
+            roles.get([t.checkpoint.remote(global_step, {"grpo_state": dict(state)}) for t in trainers])
 
     roles.get([t.save_model.remote(args.ckpt.save_path) for t in trainers])
     print(f"saved {args.ckpt.save_path}")

@@ -49,16 +49,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import BadRow, DataArgs, format_prompt, format_response, get_field, validate_data_args  # noqa: E402
 from common.infra.datasets import load_tokenizer, prepare_dataset, rank0_first, tokenization_cache_key  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, create_eval_engine, create_train_engine,
-    deepspeed_eval_config, device, run, init_distributed, is_rank0, load_causal_lm, load_checkpoint,
-    parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args,
+    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, device, frozen_engine, is_rank0, maybe_save,
+    parse_cli, resume, run, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args,
     world_size_from_env,
 )
-from common.packing import collate, one_row_per_batch, sharded_logps, to_device  # noqa: E402
-from common.ring_attention import (  # noqa: E402
-    RingArgs, check_ring_model, data_parallel, ring_deepspeed_config, ring_response_logps, setup_ring,
-    validate_ring_args,
-)
+from common.packing import collate, sharded_logps, to_device  # noqa: E402
+from common.ring_attention import RingArgs, ring_model_args, ring_response_logps, validate_ring_args  # noqa: E402
 from common.infra.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 
 
@@ -101,6 +97,7 @@ class Args:
 def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
     dp_world = validate_ring_args(args.ring, world_size_from_env(), args.model, args.data)  # world / ring size
+    args.model = ring_model_args(args.model, args.ring)  # the ring is the attention implementation
     validate_common_args(args.model, args.train, args.ckpt, dp_world)
     validate_data_args(args.data, args.model.attn_implementation)
     if args.beta <= 0:
@@ -173,11 +170,10 @@ def kl_pairs(idx):
     return [(idx[k], idx[(k + 1) % len(idx)]) for k in range(len(idx))]
 
 
-def make_batch(samples, args, pad_id, one_row):
-    """Packed rows (one row with a per-sample attention kernel, see common.packing.one_row_per_batch), or
-    padded rows."""
+def make_batch(samples, args, pad_id, layout):
+    """Packed rows (one row where `layout.one_row`, see common.packing.Layout), or padded rows."""
     return collate(samples, pad_id, packing=args.data.packing_samples,
-                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=one_row)
+                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=layout.one_row)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,13 +254,7 @@ def evaluate(engine, ref, eval_ds, eval_ref, args, batch_fn):
 # Training
 # ----------------------------------------------------------------------------------------------
 def main(args: Args):
-    init_distributed()
-    world = dist.get_world_size()
-    # ---- boilerplate: ring attention (the same text in every script; tests/test_boilerplate.py) ----
-    ring = setup_ring(args.ring)  # None without --ring_attn_size
-    dp_rank, dp_world = data_parallel(ring)  # the ranks of a ring share their samples
-    # ---- end of boilerplate: ring attention ----
-    set_seed(args.train.seed)
+    world = setup(args.ring, args.train.seed)  # ranks, data-parallel share, ring
     tokenizer = load_tokenizer(args.model.pretrain, args.data)
 
     # rank 0 tokenizes first and fills the datasets cache; the others then read it (a data error stops all)
@@ -299,17 +289,16 @@ def main(args: Args):
 
     def local_micro_batches(order, k, r):
         """Data-parallel rank r's micro-batches (lists of example indices) at step k of an epoch with this order."""
-        per_rank = batch_size // dp_world
+        per_rank = batch_size // world.dp_world
         local = order[k * batch_size + r * per_rank : k * batch_size + (r + 1) * per_rank]
         return [local[m : m + micro] for m in range(0, per_rank, micro)]
 
     # the frozen reference: cache its log-probs and free it, or keep it for live use
-    ref_config = deepspeed_eval_config(args.train, world, offload=args.ref_offload)
     ref_args = ModelArgs(pretrain=args.ref_pretrain or args.model.pretrain,
                          attn_implementation=args.model.attn_implementation, load_in_4bit=args.model.load_in_4bit)
-    ref = create_eval_engine(load_causal_lm(ref_args, ref_config), ref_config)
-    one_row = ring is not None or one_row_per_batch(ref.module.config._attn_implementation)
-    batch_fn = lambda samples: make_batch(samples, args, pad_id, one_row)  # noqa: E731
+    ref = frozen_engine(ref_args, args.train, world, offload=args.ref_offload)
+    layout = ref.layout  # the policy's too: the same attention kernel
+    batch_fn = lambda samples: make_batch(samples, args, pad_id, layout)  # noqa: E731
     ref_cache = eval_ref_cache = None
     if args.ref_cache:
         t0 = time.time()
@@ -317,7 +306,7 @@ def main(args: Args):
         n, epoch_pairs = len(train_ds), []
         for epoch in range(args.train.max_epochs):
             order = order_of(epoch)
-            epoch_pairs.append([p for k in range(steps_per_epoch) for r in range(dp_world)
+            epoch_pairs.append([p for k in range(steps_per_epoch) for r in range(world.dp_world)
                                 for idx in local_micro_batches(order, k, r) for p in kl_pairs(idx)])
         items = [(i, i) for i in range(n)] + [p for pairs in epoch_pairs for p in pairs]
         values = sharded_logps(ref, len(items), lambda pos: kto_samples(
@@ -341,18 +330,9 @@ def main(args: Args):
                   f"{2 * len(eval_ds) if eval_ds else 0} eval samples in {time.time() - t0:.1f}s; "
                   "reference model freed")
 
-    ds_config = ring_deepspeed_config(args.train, world, ring)
-    model = load_causal_lm(args.model, ds_config)
-    check_ring_model(model, ring)
-    engine = create_train_engine(model, args.train, ds_config, total_steps)
-    start_step = 0
-    if args.ckpt.load_checkpoint:
-        state = load_checkpoint(engine, args.ckpt.ckpt_path)
-        if state is not None:
-            start_step = state["global_step"]
-        if is_rank0():
-            print(f"resumed from {args.ckpt.ckpt_path} at step {start_step}" if state else
-                  f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
+    engine = train_engine(args.model, args.train, total_steps, world)
+    state = resume(engine, args.ckpt)
+    start_step = state["global_step"] if state else 0
     logger = MetricsLogger(args.log, asdict(args), is_rank0())
     labels_all = torch.tensor(train_ds["label"], device=device())
 
@@ -362,7 +342,7 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         lr = engine.get_lr()[0]
         sums = {}
-        for idx in local_micro_batches(order_of(epoch), k, dp_rank):
+        for idx in local_micro_batches(order_of(epoch), k, world.dp_rank):
             examples, mismatched = [(i, i) for i in idx], kl_pairs(idx)
             if ref_cache is not None:
                 ref_logps, ref_kl_logps = ref_cache[0][idx], ref_cache[1][epoch, idx]
@@ -370,14 +350,14 @@ def main(args: Args):
                 with torch.no_grad():
                     both = to_device(batch_fn(kto_samples(train_ds, examples + mismatched, args.data.max_len)),
                                      device())
-                    ref_both, _ = ring_response_logps(ref, both, ring)
+                    ref_both, _ = ring_response_logps(ref, both, world.ring)
                 ref_logps, ref_kl_logps = ref_both[: len(idx)], ref_both[len(idx) :]
             with torch.no_grad():  # the reference point needs no gradient: a forward-only pass
                 kl_batch = to_device(batch_fn(kto_samples(train_ds, mismatched, args.data.max_len)), device())
-                kl_logps, _ = ring_response_logps(engine, kl_batch, ring)
+                kl_logps, _ = ring_response_logps(engine, kl_batch, world.ring)
             z = kl_reference_point(kl_logps, ref_kl_logps)
             batch = to_device(batch_fn(kto_samples(train_ds, examples, args.data.max_len)), device())
-            logps, outputs = ring_response_logps(engine, batch, ring)
+            logps, outputs = ring_response_logps(engine, batch, world.ring)
             labels = labels_all[idx]
             losses, rewards = kto_loss(logps, ref_logps, labels, z, args.beta, args.desirable_loss_weight,
                                        args.undesirable_loss_weight)
@@ -387,7 +367,7 @@ def main(args: Args):
                 aux = args.model.aux_loss_coef * outputs.aux_loss
                 stats["aux_loss"] = outputs.aux_loss.item() * micro  # / step examples = mean over micro-batches
             # the step's loss: the mean over its examples, counted on every rank
-            grad_norm = backward_step(engine, losses.sum(), batch_size // dp_world * world, averaged=aux)
+            grad_norm = backward_step(engine, losses.sum(), batch_size // world.dp_world * world.size, averaged=aux)
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
 
@@ -405,10 +385,8 @@ def main(args: Args):
         # ---- boilerplate: log and save (the same text in every script; tests/test_boilerplate.py) ----
         if global_step % args.log.logging_steps == 0 or "eval/loss" in metrics:
             logger.log(metrics, global_step)
-        if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
-            save_checkpoint(engine, args.ckpt.ckpt_path, global_step,
-                            {"global_step": global_step, "consumed_samples": global_step * batch_size},
-                            args.ckpt.max_ckpt_num)
+        maybe_save(engine, args.ckpt, global_step, total_steps,
+                   {"global_step": global_step, "consumed_samples": global_step * batch_size})
         # ---- end of boilerplate: log and save ----
 
     save_hf_model(engine, tokenizer, args.ckpt.save_path, merge_lora=args.ckpt.merge_lora,

@@ -35,64 +35,38 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Annotated, Literal, Optional
+from typing import Literal, Optional
 
 import torch
-import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common.infra.datasets import load_one, load_tokenizer  # noqa: E402
 from common.infra.cluster import (  # noqa: E402
     environment, join_group, load_prompts, off_policy, reference_args, rendezvous_address, reward_function,
-    rollout_steps, start_engines, start_group, start_ray, start_reward_models, trainer_bundles, validate_rollout_args,
-    weight_sync,
+    resolve_rollout_args, rollout_steps, start_engines, start_group, start_ray, start_reward_models, trainer_bundles,
+    validate_rollout_args, weight_sync,
 )
 from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, backward_scale, create_eval_engine,
-    create_train_engine, deepspeed_eval_config, device, load_causal_lm, load_checkpoint, run,
-    optimizer_step, parse_cli, save_checkpoint, save_hf_model, script_ckpt_args, validate_common_args,
+    CkptArgs, ModelArgs, accumulation_steps, all_reduce_sum, backward_scale, device, frozen_engine,
+    load_checkpoint, optimizer_step, parse_cli, run, save_checkpoint, save_hf_model, script_ckpt_args, setup,
+    train_engine, validate_common_args,
 )
-from common.episodes import AgentArgs  # noqa: E402
-from common.packing import collate, one_row_per_batch, to_device, unpack  # noqa: E402
-from common.infra.engine import unwrap  # noqa: E402
+from common.packing import collate, to_device, unpack, unwrap  # noqa: E402
 from common.ring_attention import (  # noqa: E402
-    RingArgs, check_ring_model, ring_deepspeed_config, ring_forward, ring_next_token_values, ring_token_logps,
-    setup_ring, validate_ring_args,
+    ring_forward, ring_model_args, ring_next_token_values, ring_token_logps, validate_ring_args,
 )
 from common.rollout import (  # noqa: E402
-    AsyncArgs, RLArgs, RolloutEngineArgs, RolloutLogArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
+    RLArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
     model_tokens, prompt_at, rollout_metrics, rollout_samples, split_steps,
 )
 from common.infra.tracking import MetricsLogger, eval_due, progress  # noqa: E402
 
 
 @dataclass
-class ActorTrainArgs(TrainArgs):
-    train_batch_size: int = 64
-    """Global samples (responses) per optimizer step, across all trainer ranks (actor and critic alike)."""
-    max_epochs: int = 1
-    """Passes over each rollout's samples (PPO epochs), for the actor and the critic."""
-    learning_rate: Annotated[float, tyro.conf.arg(name="actor_learning_rate")] = 1e-6
-    """Peak learning rate of the policy (AdamW)."""
-    lr_warmup_ratio: float = 0.0
-    """Fraction of optimizer steps with linear warmup, actor and critic (OpenRLHF's RL default: 0.03)."""
-    lr_scheduler: str = "constant_with_warmup"
-    """Any transformers scheduler name, actor and critic; constant by default (OpenRLHF's RL default:
-    cosine_with_min_lr, down to --min_lr_ratio 0.1 of the peak)."""
-
-
-@dataclass
 class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers share (common/rollout.py)
-    model: ModelArgs = field(default_factory=ModelArgs)
-    train: ActorTrainArgs = field(default_factory=ActorTrainArgs)
-    engine: RolloutEngineArgs = field(default_factory=RolloutEngineArgs)
     ckpt: CkptArgs = field(default_factory=lambda: script_ckpt_args(__file__))
-    log: RolloutLogArgs = field(default_factory=RolloutLogArgs)
-    agent: AgentArgs = field(default_factory=AgentArgs)  # multi-turn environments (common/episodes.py)
-    async_rollout: AsyncArgs = field(default_factory=AsyncArgs)  # rollouts up to K steps ahead, their bound
-    ring: RingArgs = field(default_factory=RingArgs)  # every group's rows (actor, reference, critic) split over rings
     # -- the critic
     critic_pretrain: Optional[str] = None
     """Critic start point (default: the first --reward_pretrain if given, else --pretrain; the log says which).
@@ -155,25 +129,13 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
     """Nodes for the critic group."""
     critic_num_gpus_per_node: int = 1
     """Critic trainer ranks per node (devices on CUDA, processes on CPU)."""
-    vllm_num_engines: int = 1
-    """vLLM engines (each --vllm_tensor_parallel_size devices; on CPU one engine's decode loop uses one core)."""
     colocate_actor_ref: bool = False
     """Put each reference rank on its actor rank's device (needs --init_kl_coef > 0)."""
     colocate_critic_reward: bool = False
     """Put the reward models on the critic's rank-0 device (needs --reward_pretrain)."""
-    colocate_all_models: bool = False
-    """Put actor, reference, critic, vLLM engines and reward models on the actor's devices."""
-    vllm_enable_sleep: bool = False
-    """Sleep the vLLM engines while training (CUDA; a logged no-op on CPU)."""
     deepspeed_enable_sleep: bool = False
     """With --colocate_all_models: move the actor's and the critic's DeepSpeed states (weights, gradients, optimizer)
     off the device while they are idle, and train the two one after the other (ZeRO-1/2; ZeRO-3 needs CUDA)."""
-    ray_address: Optional[str] = None
-    """Join this Ray cluster (default: start a local Ray)."""
-    startup_timeout: float = 900.0
-    """Seconds every role (trainers, critic, vLLM engines, reward models) may take to load its models and start."""
-    rendezvous_timeout: float = 120.0
-    """Seconds a group set-up (trainer groups, weight sync) waits for its members, then names who did not join."""
 
 
 def parse_args(argv=None):
@@ -184,10 +146,12 @@ def parse_args(argv=None):
         raise ValueError(f"--advantage_estimator {args.advantage_estimator}: ppo.py learns a critic and uses gae "
                          f"only; the critic-free estimators are in algos/grpo.py")
     dp_world = validate_ring_args(args.ring, world, args.model)  # actor ranks / ring size
+    args.model = ring_model_args(args.model, args.ring)  # the ring is the attention implementation
     critic_rings = validate_ring_args(args.ring, critic_world)
     validate_common_args(args.model, args.train, args.ckpt, dp_world)
     accumulation_steps(args.train.train_batch_size, args.train.micro_train_batch_size, critic_rings)
     validate_rollout_args(args, world, "ppo.py")
+    check_loss_flags(args)  # beside the loss terms they configure
     if args.dynamic_filtering and args.n_samples_per_prompt < 2:
         raise ValueError("--dynamic_filtering drops prompts whose samples all got the same reward: set "
                          "--n_samples_per_prompt >= 2")
@@ -200,10 +164,10 @@ def parse_args(argv=None):
             raise ValueError(f"--{name} must be in [0, 1], got {getattr(args, name)}")
     if args.value_clip < 0 or args.freezing_actor_steps < 0 or args.ptx_coef < 0:
         raise ValueError("--value_clip, --freezing_actor_steps and --ptx_coef must be >= 0")
-    if args.colocate_all_models and critic_world > world:
+    if args.cluster.colocate_all_models and critic_world > world:
         raise ValueError(f"--colocate_all_models puts each critic rank on an actor device: {critic_world} critic "
                          f"ranks for {world} actor ranks")
-    if args.deepspeed_enable_sleep and not (args.colocate_all_models and args.train.zero_stage > 0
+    if args.deepspeed_enable_sleep and not (args.cluster.colocate_all_models and args.train.zero_stage > 0
                                             and not args.train.adam_offload and not args.train.param_offload):
         raise ValueError("--deepspeed_enable_sleep moves ZeRO states off the device between phases: it needs "
                          "--colocate_all_models and --zero_stage 1-3, without --adam_offload / --param_offload")
@@ -211,6 +175,8 @@ def parse_args(argv=None):
         raise ValueError("--colocate_actor_ref needs --init_kl_coef > 0 (without a KL term no reference is loaded)")
     if args.colocate_critic_reward and not args.reward_pretrain:
         raise ValueError("--colocate_critic_reward needs --reward_pretrain (there is no reward model to place)")
+    # derived settings and the checks that read files, before any model loads
+    args = resolve_rollout_args(args)  # the reward and environment files load here
     args.critic_pretrain = args.critic_pretrain or (args.reward_pretrain.split(",")[0] if args.reward_pretrain
                                                     else args.model.pretrain)
     check_critic(args)
@@ -340,6 +306,25 @@ def policy_loss(logps, old_logps, advantages, eps_low, eps_high, dual_clip=None)
     if dual_clip is not None:
         loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
     return loss, (surr2 < surr1).float()
+
+def check_loss_flags(args):
+    """The checks of the flags these terms read (parse_args calls it; raises ValueError naming the flag)."""
+    if args.use_kl_loss and args.init_kl_coef <= 0:
+        raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
+    if args.use_kl_loss and args.kl_estimator == "k1":  # E[grad k1] = E[grad log p] = 0 under the policy
+        raise ValueError("--use_kl_loss with --kl_estimator k1 regularises nothing (the expected gradient of k1 as a "
+                         "loss is 0): use --kl_estimator k3 (the gradient of KL(ref||policy), GRPO's) or k2 (of "
+                         "KL(policy||ref))")
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
+    if off_policy(args):  # samples one update old: the clip is the trust region that keeps that stable
+        eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
+        if not (0 < eps_low < 1 and 0 < eps_high < 1):
+            raise ValueError(f"--async_train with --max_staleness {args.async_rollout.max_staleness} needs a clipped "
+                             f"ratio: --eps_clip / --eps_clip_low_high bounds in (0, 1), got {eps_low}, {eps_high}")
+        if args.vllm_is_truncation > 0:
+            raise ValueError("--vllm_is_truncation with --async_train --max_staleness > 0: the old policy is already "
+                             "vLLM's (the ratio p_trainer / p_vllm is the clipped PPO ratio)")
 # ---- end of boilerplate: actor loss terms ----
 
 
@@ -477,16 +462,10 @@ class GroupMember:
         return rendezvous_address()
 
     def join(self, master_addr, master_port):
-        join_group(self.rank, self.world, master_addr, master_port, self.args.rendezvous_timeout,
+        join_group(self.rank, self.world, master_addr, master_port, self.args.cluster.rendezvous_timeout,
                    self.args.train.seed, self.ranks_per_node)
-        self.ring = setup_ring(self.args.ring)  # None without --ring_attn_size
-
-    def load(self, model_args, ds_config, **kwargs):
-        """The group's model; with a ring it must run the ring attention exactly (checked)."""
-        model = load_causal_lm(model_args, ds_config, **kwargs)
-        check_ring_model(model, self.ring)
-        self.one_row = self.ring is not None or one_row_per_batch(model.config._attn_implementation)
-        return model
+        self.placement = setup(self.args.ring, self.args.train.seed)  # the group joined above; its rings
+        self.ring = self.placement.ring  # None without --ring_attn_size
 
     def sleep(self):
         """--deepspeed_enable_sleep: this rank's DeepSpeed states off the device until a method wakes them."""
@@ -509,18 +488,18 @@ class GroupMember:
         micro = self.args.micro_rollout_batch_size
         for start in range(0, len(samples), micro):
             chunk = samples[start : start + micro]
-            batch = to_device(make_batch(chunk, self.pad_id, self.max_tokens, self.one_row), device())
+            batch = to_device(make_batch(chunk, self.pad_id, self.max_tokens, self.engine.layout.one_row), device())
             per_sample = unpack(forward(model, batch), batch)
             out += [t[len(s["prompt_ids"]):].cpu().tolist() for s, t in zip(chunk, per_sample)]
         model.train(was_training)
         return out
 
-    def save_checkpoint(self, step, client_state):
+    def checkpoint(self, step, client_state):
         self.wake()
         save_checkpoint(self.engine, self.ckpt_dir, step, client_state, self.args.ckpt.max_ckpt_num)
         return True
 
-    def load_checkpoint(self, step=None):
+    def restore(self, step=None):
         """Load `latest`, or (the critic) the actor's step: the critic saves first, so its `latest` may be ahead."""
         if step is not None:
             tag = os.path.join(self.ckpt_dir, f"global_step{step}")
@@ -542,10 +521,10 @@ class GroupMember:
         totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
         for k, samples in enumerate(steps):
             chunks = range(0, len(samples), micro)
-            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, self.max_tokens, self.one_row,
+            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, self.max_tokens, engine.layout.one_row,
                                             values), device()) for i in chunks]
             ptx = [to_device(dict(collate(ptx_steps[k][i : i + micro], self.pad_id, max_tokens=self.max_tokens,
-                                          one_row=self.one_row), num_micro=gas * self.world), device())
+                                          one_row=engine.layout.one_row), num_micro=gas * self.world), device())
                    if ptx_steps else None for i in chunks]  # PPO-ptx rows, tagged with the step's micro-batches
             # counted on every rank: a ring counts its samples ring-size times, as its loss is the ring's that often
             tokens, sequences = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in batches),
@@ -578,9 +557,8 @@ class PolicyTrainer(GroupMember):
         """Join the actor group (bounded by --rendezvous_timeout) and load the policy."""
         self.join(master_addr, master_port)
         args, self.ckpt_dir = self.args, os.path.join(self.args.ckpt.ckpt_path, "actor")
-        ds_config = ring_deepspeed_config(args.train, self.world, self.ring)
-        self.engine = create_train_engine(self.load(args.model, ds_config), args.train, ds_config, num_training_steps,
-                                          offload_states=args.deepspeed_enable_sleep)
+        self.engine = train_engine(args.model, args.train, num_training_steps, self.placement,
+                                   offload_states=args.deepspeed_enable_sleep)
         return True
 
     def setup_weight_sync(self, engines):
@@ -613,8 +591,7 @@ class ReferenceRanks(GroupMember):
     def setup(self, master_addr, master_port):
         """Join the reference group and load the frozen start policy (DeepSpeed inference; ZeRO-3 shards it)."""
         self.join(master_addr, master_port)
-        ds_config = deepspeed_eval_config(self.args.train, self.world)
-        self.engine = create_eval_engine(self.load(reference_args(self.args), ds_config), ds_config)
+        self.engine = frozen_engine(reference_args(self.args), self.args.train, self.placement)
         return True
 
     def logprobs(self, samples):
@@ -633,11 +610,9 @@ class CriticTrainer(GroupMember):
         model_args = ModelArgs(pretrain=args.critic_pretrain, attn_implementation=args.model.attn_implementation,
                                gradient_checkpointing=args.model.gradient_checkpointing)
         train_args = dataclasses.replace(args.train, learning_rate=args.critic_learning_rate)
-        ds_config = ring_deepspeed_config(train_args, self.world, self.ring)
-        model = self.load(model_args, ds_config, model_cls=AutoModelForSequenceClassification, num_labels=1,
-                          pad_token_id=self.pad_id)
-        self.engine = create_train_engine(model, train_args, ds_config, num_training_steps,
-                                          offload_states=args.deepspeed_enable_sleep)
+        self.engine = train_engine(model_args, train_args, num_training_steps, self.placement,
+                                   offload_states=args.deepspeed_enable_sleep,
+                                   model_cls=AutoModelForSequenceClassification, num_labels=1, pad_token_id=self.pad_id)
         return True
 
     def values(self, samples):
@@ -663,20 +638,20 @@ def place_models(args, world, critic_world, pad_id, roles):
 
 
     gpu = ray.cluster_resources().get("GPU", 0) > 0
-    everything = args.colocate_all_models
+    everything = args.cluster.colocate_all_models
     share = 0.2 if everything else 0.5  # up to five roles share a device with --colocate_all_models, else two
     use_ref = args.init_kl_coef > 0
 
     def fraction(colocated):  # (num_cpus, num_gpus) of a role on a bundle it shares or owns
         return (share, share if gpu else 0) if colocated else (1, 1 if gpu else 0)
 
-    actor_at = trainer_bundles(roles, args.actor_num_nodes, args.actor_num_gpus_per_node, gpu, args.startup_timeout,
-                               "actor")
+    actor_at = trainer_bundles(roles, args.actor_num_nodes, args.actor_num_gpus_per_node, gpu,
+                               args.cluster.startup_timeout, "actor")
     ref_with_actor = everything or args.colocate_actor_ref
     ref_at = actor_at if ref_with_actor or not use_ref else trainer_bundles(  # the reference mirrors the actor
-        roles, args.actor_num_nodes, args.actor_num_gpus_per_node, gpu, args.startup_timeout, "reference")
+        roles, args.actor_num_nodes, args.actor_num_gpus_per_node, gpu, args.cluster.startup_timeout, "reference")
     critic_at = actor_at if everything else trainer_bundles(
-        roles, args.critic_num_nodes, args.critic_num_gpus_per_node, gpu, args.startup_timeout, "critic")
+        roles, args.critic_num_nodes, args.critic_num_gpus_per_node, gpu, args.cluster.startup_timeout, "critic")
     # CPU threads per rank: cores / the ranks of a node that compute at the same time
     ranks_per_node = args.actor_num_gpus_per_node * (2 if use_ref else 1) + args.critic_num_gpus_per_node
 
@@ -715,24 +690,24 @@ def main(args: Args):
     timeout_s = args.async_rollout.rollout_timeout
     print(critic_source(args))
 
-    start_ray(args, 2 * (2 * world + critic_world) + args.vllm_num_engines + 1, ROOT)
+    start_ray(args, 2 * (2 * world + critic_world) + args.cluster.vllm_num_engines + 1, ROOT)
     roles = Roles()
     trainers, references, critics, engines, reward_models = place_models(args, world, critic_world,
                                                                          tokenizer.pad_token_id, roles)
-    if args.colocate_all_models:  # vLLM sizes its cache by the free device memory: it starts alone
-        roles.ready(args.startup_timeout)
+    if args.cluster.colocate_all_models:  # vLLM sizes its cache by the free device memory: it starts alone
+        roles.ready(args.cluster.startup_timeout)
     setups = (start_group(roles, trainers, max(total_steps - args.freezing_actor_steps, 1) * updates_per_rollout)
               + start_group(roles, critics, total_steps * updates_per_rollout) + start_group(roles, references))
-    roles.ready(args.startup_timeout)  # the groups load their models while the engines start
+    roles.ready(args.cluster.startup_timeout)  # the groups load their models while the engines start
     roles.get(setups)
     roles.get([t.setup_weight_sync.remote(engines) for t in trainers])
 
     state = {"global_step": 0, "consumed_prompts": 0, "consumed_ptx": 0, "best_pass1": -math.inf}
     if args.ckpt.load_checkpoint:
-        loaded = roles.get([t.load_checkpoint.remote() for t in trainers])[0]
+        loaded = roles.get([t.restore.remote() for t in trainers])[0]
         if loaded:
             state.update(loaded["ppo_state"])
-            roles.get([c.load_checkpoint.remote(state["global_step"]) for c in critics])
+            roles.get([c.restore.remote(state["global_step"]) for c in critics])
             roles.get([t.sync_weights.remote() for t in trainers])  # the engines still hold the start weights
         print(f"resumed from {args.ckpt.ckpt_path} at step {state['global_step']}" if loaded else
               f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
@@ -751,8 +726,9 @@ def main(args: Args):
         return collect_rollout(args, roles, engines, prompts, start, version, reward_fn, reward_models, tokenizer,
                                env_cls)
 
+    one_behind = off_policy(args)  # samples from the weights one update before the trainer's (--async_train)
     rollouts = None  # synchronous: each step's rollout is collected when the step asks for it
-    if off_policy(args):  # --async_train: a thread collects the next steps' rollouts while the trainer updates
+    if one_behind:  # --async_train: a thread collects the next steps' rollouts while the trainer updates
         from common.async_rollouts import Rollouts
 
         rollouts = Rollouts(args, collect, state["global_step"], total_steps, state["consumed_prompts"])
@@ -779,7 +755,7 @@ def main(args: Args):
         # single_update makes them the update's own, or off-policy vLLM's are the old policy), reference
         # log-probs, critic values
         t0 = time.time()
-        policy_pass = not single_update(args) and not off_policy(args)
+        policy_pass = not single_update(args) and not one_behind
 
         def each_ring(members, method):  # rank r is in ring r // ring size; each ring's first rank answers
             shard = per_step // max(len(members) // ring_size, 1)
@@ -791,7 +767,7 @@ def main(args: Args):
         for key, refs in jobs.items():
             for s, v in zip(samples, [x for shard in roles.get(refs)[::ring_size] for x in shard]):
                 s[key] = v
-        if off_policy(args):  # the behaviour policy: the weights that sampled them, one update before the actor's
+        if one_behind:  # the behaviour policy: the weights that sampled them, one update before the actor's
             for s in samples:
                 s["old_logps"] = s["vllm_logps"]
         rest(trainers)
@@ -815,7 +791,7 @@ def main(args: Args):
 
         # 5. updates: the critic always, the actor after --freezing_actor_steps; side by side (one after the
         # other with --deepspeed_enable_sleep)
-        if args.vllm_enable_sleep:
+        if args.cluster.vllm_enable_sleep:
             roles.get([e.sleep.remote() for e in engines])
         t0 = time.time()
         critic_steps = split_steps(samples, args, step, critic_world // ring_size)  # per ring, as in step 3
@@ -837,7 +813,7 @@ def main(args: Args):
         phases.update(1)
 
         # 6. push the new weights (none while the actor is frozen) once the engines finish the old ones' rollouts
-        if args.vllm_enable_sleep:
+        if args.cluster.vllm_enable_sleep:
             roles.get([e.wake_up.remote() for e in engines])
         t0 = time.time()
         with rollouts.new_weights() if rollouts else contextlib.nullcontext():
@@ -864,7 +840,7 @@ def main(args: Args):
         if actor_metrics:
             timing["time/actor_train"] = actor_metrics.pop("time_s")
             vllm_diff = actor_metrics.pop("vllm_logp_max_abs_diff")
-            if not off_policy(args):  # the actor's log-probs before the update vs vLLM's on the same weights
+            if not one_behind:  # the actor's log-probs before the update vs vLLM's on the same weights
                 metrics["check/vllm_logp_max_abs_diff"] = vllm_diff
             metrics.update({f"train/{k}": v for k, v in actor_metrics.items()})
         elif policy_pass:  # a frozen actor still had its log-probs computed: the engines must match them
@@ -884,8 +860,8 @@ def main(args: Args):
             logger.log(metrics, global_step)
         if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
             # the critic first: the actor's `latest` is the commit point a resume reads
-            roles.get([c.save_checkpoint.remote(global_step, {"ppo_state": dict(state)}) for c in critics])
-            roles.get([t.save_checkpoint.remote(global_step, {"ppo_state": dict(state)}) for t in trainers])
+            roles.get([c.checkpoint.remote(global_step, {"ppo_state": dict(state)}) for c in critics])
+            roles.get([t.checkpoint.remote(global_step, {"ppo_state": dict(state)}) for t in trainers])
         rest(trainers + critics)  # a save woke them
 
     roles.get([t.save_model.remote(args.ckpt.save_path) for t in trainers])

@@ -36,19 +36,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import BadRow, DataArgs, format_prompt, format_response, get_field, validate_data_args  # noqa: E402
 from common.infra.datasets import load_tokenizer, prepare_dataset, rank0_first, tokenization_cache_key  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, create_train_engine, device, run,
-    init_distributed, is_rank0, load_causal_lm, load_checkpoint, parse_cli,
-    save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args, world_size_from_env,
+    CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, device, is_rank0, maybe_save, parse_cli, resume,
+    run, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args, world_size_from_env,
 )
-from common.packing import collate, one_row_per_batch, to_device  # noqa: E402
-from common.infra.engine import unwrap  # noqa: E402
+from common.packing import collate, to_device, unwrap  # noqa: E402
 from common.infra.reward import lockstep_forwards  # noqa: E402
-from common.ring_attention import (  # noqa: E402
-    RingArgs, check_ring_model, data_parallel, ring_deepspeed_config, ring_sequence_rewards, setup_ring,
-    validate_ring_args,
-)
+from common.ring_attention import RingArgs, ring_model_args, ring_sequence_rewards, validate_ring_args  # noqa: E402
 from common.infra.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
-from common.infra.gpu import PACKED as VARLEN_ATTENTION  # noqa: E402
 
 
 @dataclass
@@ -98,6 +92,7 @@ PRM_ONLY = ("label_key", "placeholder_token", "reward_tokens")
 def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
     dp_world = validate_ring_args(args.ring, world_size_from_env(), args.model, args.data)  # world / ring size
+    args.model = ring_model_args(args.model, args.ring)  # the ring is the attention implementation
     validate_common_args(args.model, args.train, args.ckpt, dp_world)
     if args.prm and args.ring.ring_attn_size > 1:
         raise ValueError("--prm with --ring_attn_size > 1 is not supported (pairwise reward models only)")
@@ -245,13 +240,13 @@ def shared_prefix_len(chosen, rejected):
     return n
 
 
-def make_batch(samples, args: Args, pad_id, one_row, share_prompt=False):
-    """Packed rows (one row with a per-sample attention kernel, see common.packing.one_row_per_batch), or
-    padded rows; plus the pair margins (pairwise) or the step labels laid out like input_ids (PRM). With
-    share_prompt, each rejected sequence is a branch of its chosen one's shared prefix (pairwise)."""
+def make_batch(samples, args: Args, pad_id, layout):
+    """Packed rows (one row where `layout.one_row`, see common.packing.Layout), or padded rows; plus the pair
+    margins (pairwise) or the step labels laid out like input_ids (PRM). Where the kernel reads branches
+    (`layout.share_prefixes`), each rejected sequence is a branch of its chosen one's shared prefix (pairwise)."""
     batch = collate(samples, pad_id, packing=args.data.packing_samples,
-                    max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=one_row,
-                    share_prefixes=share_prompt)
+                    max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=layout.one_row,
+                    share_prefixes=not args.prm and args.data.packing_samples and layout.share_prefixes)
     if args.prm:
         labels = torch.full(batch["input_ids"].shape, -1.0)
         for sample, (r, s, n) in zip(samples, batch["spans"]):
@@ -305,7 +300,7 @@ def forward_loss(engine, batch, args: Args, reward_ids, ring=None):
 # Evaluation: pairwise accuracy, rewards and margins, or step accuracy, over the held-out set
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(engine, eval_ds, args, pad_id, one_row, share_prompt, reward_ids):
+def evaluate(engine, eval_ds, args, pad_id, reward_ids):
     engine.eval()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     chunks = micro_batches_of(eval_ds, range(rank, len(eval_ds), world), args.train.micro_train_batch_size, args)
@@ -315,7 +310,7 @@ def evaluate(engine, eval_ds, args, pad_id, one_row, share_prompt, reward_ids):
     for i in progress(range(lockstep_forwards(engine, len(chunks))), is_rank0(), desc="eval", leave=False):
         # under ZeRO-3 a rank with fewer batches runs extra forwards (on row 0) in step with the busiest rank
         samples = chunks[i] if i < len(chunks) else micro_batches_of(eval_ds, [0], 1, args)[0]
-        batch = to_device(make_batch(samples, args, pad_id, one_row, share_prompt), device())
+        batch = to_device(make_batch(samples, args, pad_id, engine.layout), device())
         _, stats = forward_loss(engine, batch, args, reward_ids)
         if i < len(chunks):
             for k in names:
@@ -336,13 +331,7 @@ def evaluate(engine, eval_ds, args, pad_id, one_row, share_prompt, reward_ids):
 # Training
 # ----------------------------------------------------------------------------------------------
 def main(args: Args):
-    init_distributed()
-    world = torch.distributed.get_world_size()
-    # ---- boilerplate: ring attention (the same text in every script; tests/test_boilerplate.py) ----
-    ring = setup_ring(args.ring)  # None without --ring_attn_size
-    dp_rank, dp_world = data_parallel(ring)  # the ranks of a ring share their samples
-    # ---- end of boilerplate: ring attention ----
-    set_seed(args.train.seed)
+    world = setup(args.ring, args.train.seed)  # ranks, data-parallel share, ring
     tokenizer = load_tokenizer(args.model.pretrain, args.data)
     if args.prm:
         tag_id = single_token(tokenizer, args.placeholder_token, "--placeholder_token")
@@ -371,27 +360,15 @@ def main(args: Args):
         raise ValueError(f"{len(train_ds)} training samples is fewer than --train_batch_size {batch_size}")
     total_steps = steps_per_epoch * args.train.max_epochs
 
-    ds_config = ring_deepspeed_config(args.train, world, ring)
     if args.prm:
-        model = load_causal_lm(args.model, ds_config)
+        engine = train_engine(args.model, args.train, total_steps, world)
     else:
         from transformers import AutoModelForSequenceClassification
 
-        model = load_causal_lm(args.model, ds_config, model_cls=AutoModelForSequenceClassification, num_labels=1,
-                               pad_token_id=tokenizer.pad_token_id)
-    check_ring_model(model, ring)
-    engine = create_train_engine(model, args.train, ds_config, total_steps)
-    one_row = ring is not None or one_row_per_batch(model.config._attn_implementation)
-    share_prompt = (ring is None and not args.prm and args.data.packing_samples  # the varlen kernel reads branches
-                    and model.config._attn_implementation == VARLEN_ATTENTION)
-    start_step = 0
-    if args.ckpt.load_checkpoint:
-        state = load_checkpoint(engine, args.ckpt.ckpt_path)
-        if state is not None:
-            start_step = state["global_step"]
-        if is_rank0():
-            print(f"resumed from {args.ckpt.ckpt_path} at step {start_step}" if state else
-                  f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
+        engine = train_engine(args.model, args.train, total_steps, world, model_cls=AutoModelForSequenceClassification,
+                              num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    state = resume(engine, args.ckpt)
+    start_step = state["global_step"] if state else 0
     logger = MetricsLogger(args.log, asdict(args), is_rank0())
     pad_id = tokenizer.pad_token_id
 
@@ -403,9 +380,9 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
-        per_rank = batch_size // dp_world
-        local = step_indices[dp_rank * per_rank : (dp_rank + 1) * per_rank]
-        micro_batches = [to_device(make_batch(s, args, pad_id, one_row, share_prompt), device())
+        per_rank = batch_size // world.dp_world
+        local = step_indices[world.dp_rank * per_rank : (world.dp_rank + 1) * per_rank]
+        micro_batches = [to_device(make_batch(s, args, pad_id, engine.layout), device())
                          for s in micro_batches_of(train_ds, local, micro, args)]
 
         # normaliser: pairs (or labelled steps) of the whole optimizer step, over every micro-batch and rank (the
@@ -416,7 +393,7 @@ def main(args: Args):
         lr = engine.get_lr()[0]
         totals = {}
         for batch in micro_batches:
-            loss_sum, stats = forward_loss(engine, batch, args, reward_ids, ring)
+            loss_sum, stats = forward_loss(engine, batch, args, reward_ids, world.ring)
             grad_norm = backward_step(engine, loss_sum, step_units)
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + value
@@ -433,7 +410,7 @@ def main(args: Args):
                             "train/rejected_reward": sums["rejected"] / n})
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
         if eval_ds and eval_due(global_step, args.log.eval_steps, steps_per_epoch, total_steps):
-            last_eval = (global_step, evaluate(engine, eval_ds, args, pad_id, one_row, share_prompt, reward_ids))
+            last_eval = (global_step, evaluate(engine, eval_ds, args, pad_id, reward_ids))
             metrics.update(last_eval[1])
             if is_rank0():
                 bar.write(f"step {global_step}: " + ", ".join(
@@ -441,14 +418,12 @@ def main(args: Args):
         # ---- boilerplate: log and save (the same text in every script; tests/test_boilerplate.py) ----
         if global_step % args.log.logging_steps == 0 or "eval/loss" in metrics:
             logger.log(metrics, global_step)
-        if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
-            save_checkpoint(engine, args.ckpt.ckpt_path, global_step,
-                            {"global_step": global_step, "consumed_samples": global_step * batch_size},
-                            args.ckpt.max_ckpt_num)
+        maybe_save(engine, args.ckpt, global_step, total_steps,
+                   {"global_step": global_step, "consumed_samples": global_step * batch_size})
         # ---- end of boilerplate: log and save ----
 
     if eval_ds and (last_eval is None or last_eval[0] != total_steps):  # the export's statistics are the final model's
-        last_eval = (total_steps, evaluate(engine, eval_ds, args, pad_id, one_row, share_prompt, reward_ids))
+        last_eval = (total_steps, evaluate(engine, eval_ds, args, pad_id, reward_ids))
         logger.log(last_eval[1], total_steps)
     if not args.prm and last_eval is not None:  # read by RL for reward normalisation (OpenRLHF's keys)
         config = unwrap(engine).config

@@ -21,14 +21,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.data import BadRow, DataArgs, format_prompt, format_response, get_field, validate_data_args  # noqa: E402
 from common.infra.datasets import load_tokenizer, prepare_dataset, rank0_first, tokenization_cache_key  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, backward_step, create_train_engine, device,
-    run, init_distributed, is_rank0, load_causal_lm, load_checkpoint, parse_cli,
-    save_checkpoint, save_hf_model, script_ckpt_args, set_seed, validate_common_args, world_size_from_env,
+    CkptArgs, ModelArgs, TrainArgs, accumulation_steps, all_reduce_sum, backward_step, device, is_rank0, maybe_save,
+    parse_cli, resume, run, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args,
+    world_size_from_env,
 )
-from common.packing import collate, lockstep_shard, one_row_per_batch, per_sample_sum, to_device, token_logps  # noqa: E402
-from common.ring_attention import (  # noqa: E402
-    RingArgs, check_ring_model, data_parallel, ring_deepspeed_config, ring_token_logps, setup_ring, validate_ring_args,
-)
+from common.packing import collate, lockstep_shard, per_sample_sum, to_device, token_logps  # noqa: E402
+from common.ring_attention import RingArgs, ring_model_args, ring_token_logps, validate_ring_args  # noqa: E402
 from common.infra.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 
 
@@ -51,6 +49,7 @@ class Args:
 def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
     dp_world = validate_ring_args(args.ring, world_size_from_env(), args.model, args.data)  # world / ring size
+    args.model = ring_model_args(args.model, args.ring)  # the ring is the attention implementation
     validate_common_args(args.model, args.train, args.ckpt, dp_world)
     validate_data_args(args.data, args.model.attn_implementation)
     if args.multiturn and not args.data.apply_chat_template:
@@ -118,7 +117,7 @@ def batches_of(ds, indices, micro):
 # Evaluation: loss and next-token accuracy over the response tokens of the held-out set
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(engine, eval_ds, args, pad_id, one_row):
+def evaluate(engine, eval_ds, args, pad_id):
     engine.eval()
     nll = tokens = correct = 0.0
     mine, padded = lockstep_shard(len(eval_ds))  # equal forward counts per rank keep ZeRO-3 gathers in step
@@ -126,7 +125,7 @@ def evaluate(engine, eval_ds, args, pad_id, one_row):
     for start in progress(range(0, len(padded), micro), is_rank0(), desc="eval", leave=False):
         (samples,) = batches_of(eval_ds, padded[start : start + micro], micro)
         valid = len(mine[start : start + micro])  # the padding repeats item 0: count only real items
-        batch = to_device(make_batch(samples, args, pad_id, one_row), device())
+        batch = to_device(make_batch(samples, args, pad_id, engine.layout), device())
         logps, _, hits = token_logps(engine, batch, return_argmax=True)
         mask = batch["loss_mask"]
         nll -= per_sample_sum(logps * mask, batch)[:valid].sum().item()
@@ -137,24 +136,17 @@ def evaluate(engine, eval_ds, args, pad_id, one_row):
     return {"eval/loss": nll / max(tokens, 1), "eval/token_accuracy": correct / max(tokens, 1)}
 
 
-def make_batch(samples, args, pad_id, one_row):
-    """Packed rows (one row with a per-sample attention kernel, see common.packing.one_row_per_batch), or
-    padded rows."""
+def make_batch(samples, args, pad_id, layout):
+    """Packed rows (one row where `layout.one_row`, see common.packing.Layout), or padded rows."""
     return collate(samples, pad_id, packing=args.data.packing_samples,
-                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=one_row)
+                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=layout.one_row)
 
 
 # ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
 def main(args: Args):
-    init_distributed()
-    world = torch.distributed.get_world_size()
-    # ---- boilerplate: ring attention (the same text in every script; tests/test_boilerplate.py) ----
-    ring = setup_ring(args.ring)  # None without --ring_attn_size
-    dp_rank, dp_world = data_parallel(ring)  # the ranks of a ring share their samples
-    # ---- end of boilerplate: ring attention ----
-    set_seed(args.train.seed)
+    world = setup(args.ring, args.train.seed)  # ranks, data-parallel share, ring
     tokenizer = load_tokenizer(args.model.pretrain, args.data)
 
     # rank 0 tokenizes first and fills the datasets cache; the others then read it (a data error stops all)
@@ -170,25 +162,15 @@ def main(args: Args):
     train_ds, eval_ds = rank0_first(prepare)
 
     batch_size, micro = args.train.train_batch_size, args.train.micro_train_batch_size
-    gas = accumulation_steps(batch_size, micro, dp_world)
+    gas = accumulation_steps(batch_size, micro, world.dp_world)
     steps_per_epoch = len(train_ds) // batch_size
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train_ds)} training samples is fewer than --train_batch_size {batch_size}")
     total_steps = steps_per_epoch * args.train.max_epochs
 
-    ds_config = ring_deepspeed_config(args.train, world, ring)
-    model = load_causal_lm(args.model, ds_config)
-    check_ring_model(model, ring)
-    engine = create_train_engine(model, args.train, ds_config, total_steps)
-    one_row = ring is not None or one_row_per_batch(model.config._attn_implementation)
-    start_step = 0
-    if args.ckpt.load_checkpoint:
-        state = load_checkpoint(engine, args.ckpt.ckpt_path)
-        if state is not None:
-            start_step = state["global_step"]
-        if is_rank0():
-            print(f"resumed from {args.ckpt.ckpt_path} at step {start_step}" if state else
-                  f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
+    engine = train_engine(args.model, args.train, total_steps, world)
+    state = resume(engine, args.ckpt)
+    start_step = state["global_step"] if state else 0
     logger = MetricsLogger(args.log, asdict(args), is_rank0())
     pad_id = tokenizer.pad_token_id
 
@@ -198,9 +180,9 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
-        per_rank = batch_size // dp_world
-        local = step_indices[dp_rank * per_rank : (dp_rank + 1) * per_rank]
-        micro_batches = [to_device(make_batch(s, args, pad_id, one_row), device())
+        per_rank = batch_size // world.dp_world
+        local = step_indices[world.dp_rank * per_rank : (world.dp_rank + 1) * per_rank]
+        micro_batches = [to_device(make_batch(s, args, pad_id, engine.layout), device())
                          for s in batches_of(train_ds, local, micro)]
 
         # normaliser: loss tokens of the whole optimizer step, over every micro-batch and rank
@@ -208,12 +190,12 @@ def main(args: Args):
         lr = engine.get_lr()[0]
         step_nll = step_aux = 0.0
         for batch in micro_batches:
-            logps, outputs = ring_token_logps(engine, batch, ring)
+            logps, outputs = ring_token_logps(engine, batch, world.ring)
             nll = -(logps * batch["loss_mask"]).sum()
             aux = 0.0
             if args.model.aux_loss_coef > 0:  # MoE load balancing, a mean per micro-batch as DeepSpeed averages it
                 aux = args.model.aux_loss_coef * outputs.aux_loss
-                step_aux += outputs.aux_loss.item() / (gas * world)
+                step_aux += outputs.aux_loss.item() / (gas * world.size)
             grad_norm = backward_step(engine, nll, step_tokens, averaged=aux)
             step_nll += nll.item()
 
@@ -226,17 +208,15 @@ def main(args: Args):
             metrics["train/aux_loss"] = step_aux
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}")
         if eval_ds and eval_due(global_step, args.log.eval_steps, steps_per_epoch, total_steps):
-            metrics.update(evaluate(engine, eval_ds, args, pad_id, one_row))
+            metrics.update(evaluate(engine, eval_ds, args, pad_id))
             if is_rank0():
                 bar.write(f"step {global_step}: " + ", ".join(
                     f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/") or k == "train/loss"))
         # ---- boilerplate: log and save (the same text in every script; tests/test_boilerplate.py) ----
         if global_step % args.log.logging_steps == 0 or "eval/loss" in metrics:
             logger.log(metrics, global_step)
-        if args.ckpt.save_steps > 0 and (global_step % args.ckpt.save_steps == 0 or global_step == total_steps):
-            save_checkpoint(engine, args.ckpt.ckpt_path, global_step,
-                            {"global_step": global_step, "consumed_samples": global_step * batch_size},
-                            args.ckpt.max_ckpt_num)
+        maybe_save(engine, args.ckpt, global_step, total_steps,
+                   {"global_step": global_step, "consumed_samples": global_step * batch_size})
         # ---- end of boilerplate: log and save ----
 
     save_hf_model(engine, tokenizer, args.ckpt.save_path, merge_lora=args.ckpt.merge_lora,

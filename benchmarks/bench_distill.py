@@ -64,6 +64,8 @@ class Args:
     """Untimed steps per mode before timing."""
     seed: int = 0
     """Seed for the synthetic lengths and tokens."""
+    logps_chunk_tokens: int = 1024
+    """Tokens per chunk of both models' LM heads, as --logps_chunk_tokens (0: whole logits)."""
 
 
 def synth_samples(n, vocab_size, pad_id, max_len, seed):
@@ -94,7 +96,11 @@ def main(args: Args):
     vocab = distill.check_teacher(dargs)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(dev)  # noqa: E731
+    def load(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(dev)
+        model.logps_chunk_tokens = args.logps_chunk_tokens  # as common.infra.engine.load_causal_lm sets it
+        return model
+
     teacher = load(args.teacher).eval().requires_grad_(False)
     pad_id = teacher.config.pad_token_id or 0
     samples = synth_samples(args.num_samples, vocab, pad_id, args.max_len, args.seed)
@@ -120,10 +126,9 @@ def main(args: Args):
         for mode, student in students.items():
             sync()
             t0 = time.perf_counter()
-            t_values, t_ids = (cache[i] if mode == "cached"
-                               else distill.teacher_targets(teacher, batch, args.teacher_top_k, vocab)[:2])
+            t = cache[i] if mode == "cached" else distill.teacher_logits(teacher, batch)
             logits, targets, _ = distill.response_logits(student, batch)
-            kd, ce = distill.token_losses(logits, targets, t_values, t_ids, replace(dargs, kd_coef=0.5), vocab)
+            kd, ce, _ = distill.token_losses(logits, targets, t, replace(dargs, kd_coef=0.5), vocab)
             loss = (0.5 * kd.sum() + 0.5 * ce.sum()) / len(targets)
             loss.backward()
             optimizers[mode].step()
@@ -137,7 +142,8 @@ def main(args: Args):
     n_params = lambda m: sum(p.numel() for p in m.parameters()) / 1e6  # noqa: E731
     print(f"student {args.student} ({n_params(students['live']):.1f}M), teacher {args.teacher} "
           f"({n_params(teacher):.1f}M), device {dev.type}, {str(dtype)[6:]}, torch threads {torch.get_num_threads()}, "
-          f"micro_batch {args.micro_batch}, top-k {args.teacher_top_k or 'all'}, {args.steps} timed step(s) after "
+          f"micro_batch {args.micro_batch}, head chunk {args.logps_chunk_tokens or 'whole'}, "
+          f"top-k {args.teacher_top_k or 'all'}, {args.steps} timed step(s) after "
           f"{args.warmup_steps} warmup; {loss_tokens} loss tokens of {all_tokens} in the timed steps\n")
     print(f"{'mode':<8} {'loss tokens/s':>14} {'all tokens/s':>13} {'step s':>8} {'loss step 1':>12}")
     for mode in students:

@@ -45,10 +45,9 @@ class AgentArgs:
 
 
 def validate_agent_args(args):
-    """The --agent_func_path checks (the file and its class load now, not after the models); fills
-    --max_episode_tokens."""
+    """The --agent_func_path checks that need no file (common.infra.cluster.resolve_rollout_args loads the
+    environment and fills --max_episode_tokens)."""
     agent = args.agent
-    load_env(agent.agent_func_path)
     if args.remote_rm_url or args.reward_pretrain:
         raise ValueError("--agent_func_path: the environment's step() gives the rewards; drop --remote_rm_url "
                          "and --reward_pretrain")
@@ -56,11 +55,14 @@ def validate_agent_args(args):
         raise ValueError(f"--max_turns must be >= 1, got {agent.max_turns}")
     if args.overlong_buffer_len > 0:
         raise ValueError("--overlong_buffer_len is for single-turn responses, not --agent_func_path episodes")
-    if agent.max_episode_tokens is None:
-        agent.max_episode_tokens = args.prompt_max_len + agent.max_turns * args.generate_max_len
-    if agent.max_episode_tokens <= args.prompt_max_len:
-        raise ValueError(f"--max_episode_tokens {agent.max_episode_tokens} leaves no room after --prompt_max_len "
+    if episode_tokens(args) <= args.prompt_max_len:
+        raise ValueError(f"--max_episode_tokens {episode_tokens(args)} leaves no room after --prompt_max_len "
                          f"{args.prompt_max_len}")
+
+
+def episode_tokens(args):
+    """--max_episode_tokens, by default the prompt and --max_turns responses."""
+    return args.agent.max_episode_tokens or args.prompt_max_len + args.agent.max_turns * args.generate_max_len
 
 
 def load_env(path):

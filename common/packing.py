@@ -8,6 +8,7 @@ is a target whose log-prob counts).
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,13 @@ def pack_sequences(lengths, max_tokens):
     return rows
 
 
+def unwrap(model):
+    """The Hugging Face model inside a DeepSpeed engine and / or a peft wrapper (token_logps and the reward and value
+    heads take either)."""
+    model = getattr(model, "module", model)  # DeepSpeed engine
+    return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
+
+
 def one_row_per_batch(attn_implementation=None):
     """Whether a micro-batch packs as one row: kernels that attend within each packed sample
     (flash-attention's varlen, common.kernels.varlen_attention's varlen_sdpa) do Σ lᵢ² work on any row
@@ -40,6 +48,23 @@ def one_row_per_batch(attn_implementation=None):
     None is the default kernel, varlen_sdpa on every device."""
     name = attn_implementation or PACKED
     return name.startswith("flash") or name == PACKED
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one model's micro-batches become rows (common.infra.engine's train_engine / frozen_engine set it as
+    `engine.layout`; a script's make_batch passes it to collate)."""
+    one_row: bool
+    """One padding-free row per micro-batch: a per-sample attention kernel (one_row_per_batch) or a ring."""
+    share_prefixes: bool
+    """Samples with a common prompt may lay it out once (collate's share_prefixes): the varlen_sdpa kernel reads
+    branches from the positions; never with a ring."""
+
+
+def batch_layout(attn_implementation, ring=None):
+    """The Layout for a model loaded with `attn_implementation`, split over `ring` or not."""
+    return Layout(one_row=ring is not None or one_row_per_batch(attn_implementation),
+                  share_prefixes=ring is None and attn_implementation == PACKED)
 
 
 def collate(samples, pad_token_id, packing=True, max_tokens=None, one_row=False, share_prefixes=False):

@@ -8,15 +8,16 @@ both stand-ins are shown to ring-flash-attn as flash_attn only while it imports.
 `ring_token_logps` pads a one-row micro-batch to a multiple of the ring size, forwards this rank's slice with its
 global position ids (next-token targets taken before the split; sample boundaries passed as the `ring_params`
 call keyword) and all-gathers the log-probs with an autograd all-gather: it returns what
-`common.packing.token_logps` returns for the whole row. DeepSpeed counts every rank as data-parallel, so it gets
-`train_batch_size x ring size`; a loss normalised by a token count all-reduced over the world needs no change
-(the gather's backward sums ring-size equal copies of each gradient, which that count cancels).
+`common.packing.token_logps` returns for the whole row, through the chunked LM head (common.kernels.chunked_head)
+where token_logps would take it (the slice's tokens through the head, their targets from the whole row).
+DeepSpeed counts every rank as data-parallel, so it gets `train_batch_size x ring size`; a loss normalised by a
+token count all-reduced over the world needs no change (the gather's backward sums ring-size equal copies of each
+gradient, which that count cancels).
 """
 
-import dataclasses
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
@@ -24,7 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from common.packing import per_sample_sum, token_logps
+from common.kernels.chunked_head import forward_without_logits, head_chunk_tokens, head_token_values
+from common.packing import per_sample_sum, token_logps, unwrap
 from common.kernels.varlen_attention import cu_seqlens_from_position_ids, varlen_attention_forward, varlen_backward
 from common.kernels.varlen_attention import varlen_forward
 
@@ -39,19 +41,9 @@ class RingArgs:
     """KV heads all-gathered per step inside a ring (must divide the model's KV head count)."""
 
 
-def ring_deepspeed_config(train, world_size, ring, **kwargs):
-    """common.infra.engine.deepspeed_config for rings: DeepSpeed counts every rank as data-parallel, so it gets
-    --train_batch_size x ring size, and the accumulation steps come from the data-parallel size."""
-    from common.infra.engine import deepspeed_config
-
-    size = ring.size if ring else 1
-    return deepspeed_config(dataclasses.replace(train, train_batch_size=train.train_batch_size * size), world_size,
-                            **kwargs)
-
-
 def validate_ring_args(ring: RingArgs, world_size, model=None, data=None):
-    """Checks that need no model (raise ValueError naming the flag); with a ring, sets --attn_implementation
-    to NAME. Returns the data-parallel size, world / ring size, for the batch arithmetic."""
+    """Checks that need no model (raise ValueError naming the flag); ring_model_args then makes the ring the
+    attention implementation. Returns the data-parallel size, world / ring size, for the batch arithmetic."""
     if ring.ring_attn_size < 1 or world_size % ring.ring_attn_size:
         raise ValueError(f"--ring_attn_size {ring.ring_attn_size} must divide the world size {world_size}")
     if ring.ring_head_stride < 1:
@@ -70,8 +62,13 @@ def validate_ring_args(ring: RingArgs, world_size, model=None, data=None):
         if model.aux_loss_coef > 0:
             raise ValueError("--aux_loss_coef with --ring_attn_size > 1 is not supported (the router loss would be "
                              "averaged over slices, not over the row)")
-        model.attn_implementation = NAME
     return world_size // ring.ring_attn_size
+
+
+def ring_model_args(model, ring: RingArgs):
+    """The model's option group (common.infra.engine.ModelArgs) with the ring as its attention implementation where
+    --ring_attn_size > 1 (validate_ring_args refused any other); unchanged otherwise."""
+    return replace(model, attn_implementation=NAME) if ring.ring_attn_size > 1 else model
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,14 +207,6 @@ def setup_ring(ring: RingArgs):
                 dp_world=world // n)
 
 
-def data_parallel(ring):
-    """(data-parallel rank, data-parallel size): which share of each global batch this rank's ring takes, and
-    how many shares there are (the ranks of a ring take the same one)."""
-    if ring is not None:
-        return ring.dp_rank, ring.dp_world
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
 def check_ring_model(model, ring):
     """Raise ValueError (naming the flags) for a model the ring cannot run exactly."""
     if ring is None:
@@ -282,9 +271,10 @@ def _gather(x, ring):
     return all_gather_single_autograd(x.contiguous(), 0, ring.group)
 
 
-def ring_forward(model, batch, ring):
+def ring_forward(model, batch, ring, without_logits=False):
     """Forward this rank's slice of a one-row batch padded to a multiple of the ring size; returns the model
-    outputs, the padded row's input ids and the slice bounds [lo, hi)."""
+    outputs, the padded row's input ids and the slice bounds [lo, hi). `without_logits`: the model makes no
+    logits and the outputs are common.kernels.chunked_head's HeadOutputs (the slice's final hidden states)."""
     input_ids, position_ids = batch["input_ids"], batch["position_ids"]
     if input_ids.shape[0] != 1 or batch.get("attention_mask") is not None:
         raise ValueError("--ring_attn_size: each micro-batch must be one packed row (collate(..., one_row=True))")
@@ -299,8 +289,9 @@ def ring_forward(model, batch, ring):
     cu_q, cu_k, max_q, max_k, k_slice = prepare(cu_seqlens, True, ring.rank, ring.size)
     params = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q, "max_seqlen_k": max_k,
               "local_k_slice": k_slice, "heads_k_stride": ring.head_stride, "group": ring.group}
-    outputs = model(input_ids=input_ids[:, lo:hi], position_ids=position_ids[:, lo:hi], attention_mask=None,
-                    use_cache=False, ring_params=params)
+    inputs = dict(input_ids=input_ids[:, lo:hi], position_ids=position_ids[:, lo:hi], attention_mask=None,
+                  use_cache=False, ring_params=params)
+    outputs = forward_without_logits(model, **inputs) if without_logits else model(**inputs)
     return outputs, input_ids, lo, hi
 
 
@@ -315,19 +306,31 @@ def ring_next_token_values(local, batch, ring):
 def ring_token_logps(model, batch, ring, return_argmax=False, return_entropy=False):
     """`common.packing.token_logps` for a one-row batch split over `ring`: the same (logps, outputs[, argmax])
     for the whole row on every rank of the ring (`outputs` are this rank's slice's model outputs, with
-    `outputs.entropy` for the whole row when asked). With ring None, common.packing.token_logps itself."""
+    `outputs.entropy` for the whole row when asked). Where head_chunk_tokens(model) is not 0 the slice's LM head
+    runs chunked, as in token_logps (`outputs` a HeadOutputs, the slice's logits computed on read). With ring None,
+    common.packing.token_logps itself."""
     if ring is None:
         return token_logps(model, batch, return_argmax=return_argmax, return_entropy=return_entropy)
-    outputs, input_ids, lo, hi = ring_forward(model, batch, ring)
-    logits = outputs.logits[0].float()
+    chunk = head_chunk_tokens(model)
+    outputs, input_ids, lo, hi = ring_forward(model, batch, ring, without_logits=bool(chunk))
     targets = F.pad(input_ids[0], (0, 1))[lo + 1 : hi + 1]  # next tokens, taken from the whole row
-    next_logps = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
-    logps = ring_next_token_values(next_logps, batch, ring)
+    if chunk:
+        values = head_token_values(outputs, outputs.final_hidden[0], targets, chunk, with_entropy=return_entropy,
+                                   with_argmax=return_argmax)
+    else:
+        logits = outputs.logits[0].float()
+        lse = torch.logsumexp(logits, -1)
+        values = {"logp": logits.gather(-1, targets[:, None]).squeeze(-1) - lse}
+        if return_entropy:
+            slice_logps = logits.log_softmax(-1)
+            values["entropy"] = -(slice_logps.exp() * slice_logps).sum(-1)
+        if return_argmax:
+            values["hit"] = logits.argmax(-1) == targets
+    logps = ring_next_token_values(values["logp"], batch, ring)
     if return_entropy:
-        slice_logps = logits.log_softmax(-1)
-        outputs.entropy = ring_next_token_values(-(slice_logps.exp() * slice_logps).sum(-1), batch, ring)
+        outputs.entropy = ring_next_token_values(values["entropy"], batch, ring)
     if return_argmax:
-        hits = ring_next_token_values((logits.argmax(-1) == targets).float(), batch, ring).detach()
+        hits = ring_next_token_values(values["hit"].float(), batch, ring).detach()
         return logps, outputs, hits.bool()
     return logps, outputs
 
@@ -336,7 +339,6 @@ def ring_sequence_rewards(model, batch, ring, value_head_prefix="score"):
     """`common.infra.reward.sequence_rewards` for a one-row batch split over `ring`: every rank's value-head outputs
     are gathered over the ring (autograd), then read at each sample's own last token. With ring None,
     common.infra.reward.sequence_rewards itself."""
-    from common.infra.engine import unwrap
     from common.infra.reward import reward_index, sequence_rewards
 
     if ring is None:

@@ -7,17 +7,66 @@ stay in each script; the Ray and vLLM mechanism is common/infra/cluster.py's.
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Optional
 
 import torch
 import tyro
 
-from common.episodes import Episode, episode_sample, run_episodes
-from common.infra.cluster import generate
+from common.episodes import AgentArgs, Episode, episode_sample, run_episodes
+from common.infra.cluster import ClusterArgs, generate
+from common.infra.engine import CkptArgs, ModelArgs, TrainArgs
 from common.infra.tracking import LogArgs
 from common.infra.vllm_engine import EngineArgs, SamplingArgs
 from common.packing import collate
+from common.ring_attention import RingArgs
+
+
+@dataclass
+class RolloutEngineArgs(EngineArgs):
+    tp_size: Annotated[int, tyro.conf.arg(name="vllm_tensor_parallel_size")] = 1
+    """Tensor-parallel size of each vLLM engine."""
+    max_model_len: Optional[int] = None
+    """Longest prompt + response an engine serves (default: --prompt_max_len + --generate_max_len, at most the
+    model's max_position_embeddings)."""
+    seed: tyro.conf.Suppress[int] = 0  # unused: every request carries its own seed (derived from --seed)
+
+
+@dataclass
+class RolloutLogArgs(LogArgs):
+    logging_steps: int = 1
+    """Log training scalars every N rollout steps."""
+    eval_steps: int = -1
+    """Evaluate on --eval_dataset every N rollout steps (-1: after each pass over the prompts), before the first
+    and after the last rollout step."""
+
+
+@dataclass
+class AsyncArgs:
+    async_train: bool = False
+    """Generate the next steps' samples (up to --max_staleness ahead) while the trainer updates on this step's."""
+    max_staleness: int = 1
+    """With --async_train: K, the policy updates between the weights that generate a step's samples and the update
+    that trains on them: rollouts run up to K steps ahead, step j's on the weights of update max(j - K, 0) exactly
+    (0: no overlap, the synchronous run). vLLM's log-probs are the old policy of the clipped ratio."""
+    rollout_timeout: float = 1800.0
+    """Seconds the driver waits for a step's rollout (engines, environment, rewards), and for the engines to finish
+    it before a weight sync; then it stops naming who is late."""
+
+
+@dataclass
+class ActorTrainArgs(TrainArgs):
+    train_batch_size: int = 64
+    """Global samples (responses) per optimizer step, across all trainer ranks."""
+    max_epochs: int = 1
+    """Passes over each rollout's samples (PPO epochs)."""
+    learning_rate: Annotated[float, tyro.conf.arg(name="actor_learning_rate")] = 1e-6
+    """Peak learning rate of the policy (AdamW)."""
+    lr_warmup_ratio: float = 0.0
+    """Fraction of optimizer steps with linear warmup (OpenRLHF's RL default: 0.03)."""
+    lr_scheduler: str = "constant_with_warmup"
+    """Any transformers scheduler name; constant by default (OpenRLHF's RL default: cosine_with_min_lr, down to
+    --min_lr_ratio 0.1 of the peak)."""
 
 
 @dataclass
@@ -25,6 +74,15 @@ class RLArgs:
     """The flags of grpo.py and ppo.py that mean the same in both: prompts, evaluation, rewards, rollouts (each
     script's Args derives from it, so they read as its own fields)."""
 
+    model: ModelArgs = field(default_factory=ModelArgs)
+    train: ActorTrainArgs = field(default_factory=ActorTrainArgs)
+    engine: RolloutEngineArgs = field(default_factory=RolloutEngineArgs)
+    ckpt: CkptArgs = field(default_factory=CkptArgs)  # each script gives its own paths (script_ckpt_args)
+    log: RolloutLogArgs = field(default_factory=RolloutLogArgs)
+    agent: AgentArgs = field(default_factory=AgentArgs)  # multi-turn environments (common/episodes.py)
+    async_rollout: AsyncArgs = field(default_factory=AsyncArgs)  # rollouts up to K steps ahead, their bound
+    ring: RingArgs = field(default_factory=RingArgs)  # the trainer groups' rows split over rings
+    cluster: ClusterArgs = field(default_factory=ClusterArgs)  # Ray, the vLLM engines, placement, time-outs
     # -- prompts
     prompt_data: str = tyro.MISSING
     """Prompt dataset (any spec common/data.py loads: file, folder, type@dir, hub name)."""
@@ -97,38 +155,6 @@ class RLArgs:
     """Sampling rounds per step for --dynamic_filtering; then the batch is topped up with dropped groups."""
     mask_truncated_responses: bool = False
     """Responses cut off at --generate_max_len carry no loss (in ppo.py, neither for the actor nor for the critic)."""
-
-
-@dataclass
-class RolloutEngineArgs(EngineArgs):
-    tp_size: Annotated[int, tyro.conf.arg(name="vllm_tensor_parallel_size")] = 1
-    """Tensor-parallel size of each vLLM engine."""
-    max_model_len: Optional[int] = None
-    """Longest prompt + response an engine serves (default: --prompt_max_len + --generate_max_len, at most the
-    model's max_position_embeddings)."""
-    seed: tyro.conf.Suppress[int] = 0  # unused: every request carries its own seed (derived from --seed)
-
-
-@dataclass
-class RolloutLogArgs(LogArgs):
-    logging_steps: int = 1
-    """Log training scalars every N rollout steps."""
-    eval_steps: int = -1
-    """Evaluate on --eval_dataset every N rollout steps (-1: after each pass over the prompts), before the first
-    and after the last rollout step."""
-
-
-@dataclass
-class AsyncArgs:
-    async_train: bool = False
-    """Generate the next steps' samples (up to --max_staleness ahead) while the trainer updates on this step's."""
-    max_staleness: int = 1
-    """With --async_train: K, the policy updates between the weights that generate a step's samples and the update
-    that trains on them: rollouts run up to K steps ahead, step j's on the weights of update max(j - K, 0) exactly
-    (0: no overlap, the synchronous run). vLLM's log-probs are the old policy of the clipped ratio."""
-    rollout_timeout: float = 1800.0
-    """Seconds the driver waits for a step's rollout (engines, environment, rewards), and for the engines to finish
-    it before a weight sync; then it stops naming who is late."""
 
 
 # ----------------------------------------------------------------------------------------------

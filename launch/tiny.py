@@ -158,9 +158,10 @@ def write_task_data(out_dir, task, n_train=2000, n_test=200, seed=0):
 # ----------------------------------------------------------------------------------------------
 # Tokenizer and models
 # ----------------------------------------------------------------------------------------------
-def build_tokenizer(vocab_size=512, pad_to=0):
-    """Byte-level BPE trained on text from all tasks, wrapped as a PreTrainedTokenizerFast; with `pad_to`, unused
-    added tokens fill it up to that many ids (a real model's vocabulary size, for models of a published shape)."""
+def build_tokenizer(vocab_size=512, pad_to=None):
+    """Byte-level BPE trained on text from all tasks, wrapped as a PreTrainedTokenizerFast. `pad_to`: fill the
+    vocabulary up to this many ids (a real model's size, e.g. Qwen2.5's 151,936) with tokens no text encodes to
+    ("<unused0>", ... as plain BPE entries without merges: cheaper to load and encode with than added tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -176,12 +177,17 @@ def build_tokenizer(vocab_size=512, pad_to=0):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>", chat_template=CHAT_TEMPLATE,
+    if pad_to is not None and pad_to > tok.get_vocab_size():
+        state = json.loads(tok.model.__getstate__())
+        vocab = state["vocab"]
+        vocab.update({f"<unused{i}>": i for i in range(len(vocab), pad_to)})
+        tok.model = models.BPE(vocab, [tuple(m.split(" ") if isinstance(m, str) else m) for m in state["merges"]])
+    # unk_token None is written to tokenizer_config.json: beside a Qwen2 config, AutoTokenizer loads a Qwen2Tokenizer,
+    # which otherwise adds its default unk "<|endoftext|>" as one more id than the model's vocabulary has
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|end|>", unk_token=None, chat_template=CHAT_TEMPLATE,
         model_max_length=512,
     )
-    tokenizer.add_tokens([f"<|unused_{i}|>" for i in range(len(tokenizer), pad_to)])
-    return tokenizer
 
 
 def build_model(name, tokenizer, seed=0):

@@ -24,7 +24,7 @@ def marked_blocks():
 def test_marked_boilerplate_is_identical_across_scripts():
     blocks = marked_blocks()
     torchrun = {"sft.py", "dpo.py", "kto.py", "rm.py", "distill.py"}
-    required = {"log and save": torchrun, "ring attention": torchrun, "actor loss terms": {"grpo.py", "ppo.py"}}
+    required = {"log and save": torchrun, "actor loss terms": {"grpo.py", "ppo.py"}}
     assert set(required) <= set(blocks), sorted(blocks)
     for name, bodies in blocks.items():
         assert required.get(name, set()) <= set(bodies) and len(bodies) >= 2, (name, sorted(bodies))

@@ -1,6 +1,7 @@
 """The chunked LM head (common.kernels.chunked_head) equals the whole-logits path in fp32: the autograd function on
 random tensors, and common.packing.token_logps through tiny Llama, Qwen2 (tied embeddings) and Mistral models,
-with LoRA and with shared-prefix branches: log-probs, entropy, argmax hits and every gradient."""
+with LoRA (on the attention, and on lm_head: the head-module path) and with shared-prefix branches: log-probs,
+entropy, argmax hits and every gradient. ZeRO-3 and the ring run in tests/test_ring_attention.py's torchrun."""
 
 import random
 
@@ -72,12 +73,12 @@ def tiny(kind, assets):
     elif kind == "mistral":
         model = AutoModelForCausalLM.from_config(MistralConfig(sliding_window=None, **shape))
     else:
-        model = AutoModelForCausalLM.from_pretrained(f"{assets}/{kind.removesuffix('-lora')}", attn_implementation=NAME)
-    if kind.endswith("-lora"):
+        model = AutoModelForCausalLM.from_pretrained(f"{assets}/{kind.split('-lora')[0]}", attn_implementation=NAME)
+    if "-lora" in kind:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                 init_lora_weights=False))
+        targets = ["q_proj", "v_proj"] + (["lm_head"] if kind.endswith("-head") else [])
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
     return model
 
 
@@ -94,12 +95,13 @@ def batch_with_branches(seed=1):
     return collate(chosen + rejected, 0, one_row=True, share_prefixes=True)
 
 
-@pytest.mark.parametrize("kind", ["llama-0.5m", "qwen2-0.5m", "qwen2-tied", "mistral", "llama-0.5m-lora"])
+@pytest.mark.parametrize("kind", ["llama-0.5m", "qwen2-0.5m", "qwen2-tied", "mistral", "llama-0.5m-lora",
+                                  "llama-0.5m-lora-head"])
 def test_token_logps_chunked_equals_whole(assets, kind):
     """token_logps with the chunked head (chunks of 16 over the 148 predictions of a
     144-token row with 5 branches) against whole logits:
     log-probs, argmax hits, entropy and every trainable parameter's gradient of a loss using all of them."""
-    from common.infra.engine import unwrap
+    from common.packing import unwrap
 
     model = tiny(kind, assets)
     batch = batch_with_branches()
@@ -128,21 +130,23 @@ def test_token_logps_chunked_equals_whole(assets, kind):
 
 
 def test_where_the_chunked_head_applies(assets, tmp_path):
-    """load_causal_lm sets the chunk size on the model object (not its config); LoRA on the head falls back to
-    whole logits; without the setting a model takes whole logits."""
+    """load_causal_lm sets the chunk size on the model object (not its config); LoRA on the head takes the
+    head-module path; without the setting a model takes whole logits."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from common.infra.engine import ModelArgs, load_causal_lm
+    from common.packing import unwrap
+    from common.kernels.chunked_head import uses_head_module
 
     model = load_causal_lm(ModelArgs(pretrain=f"{assets}/llama-0.5m", logps_chunk_tokens=64))
     assert head_chunk_tokens(model) == 64 and "logps_chunk_tokens" not in model.config.to_dict()
     model.save_pretrained(tmp_path)
     assert "logps_chunk_tokens" not in (tmp_path / "config.json").read_text()
     lora = load_causal_lm(ModelArgs(pretrain=f"{assets}/llama-0.5m", logps_chunk_tokens=64, lora_rank=4))
-    assert head_chunk_tokens(lora) == 64
+    assert head_chunk_tokens(lora) == 64 and not uses_head_module(unwrap(lora).lm_head)
     bare = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m")
     assert head_chunk_tokens(bare) == 0
     bare.logps_chunk_tokens = 64
     on_head = get_peft_model(bare, LoraConfig(r=4, target_modules=["lm_head", "q_proj"]))
-    assert head_chunk_tokens(on_head) == 0
+    assert head_chunk_tokens(on_head) == 64 and uses_head_module(unwrap(on_head).lm_head)

@@ -1,6 +1,7 @@
-"""algos/distill.py: divergences against hand-computed values, packed = padded, cached teacher = live
-teacher, resume = uninterrupted, a trained 10M teacher distilled into an untrained 0.5M student
-(off-policy), on-policy GKD with a vLLM engine synced every step under torchrun, and argument errors."""
+"""algos/distill.py: divergences against hand-computed values, packed = padded, chunked heads = whole logits (every
+loss kind and gradient), cached teacher = live teacher, resume = uninterrupted, a trained 10M teacher distilled into
+an untrained 0.5M student (off-policy), on-policy GKD with a vLLM engine synced every step under torchrun, and
+argument errors."""
 
 import os
 import shutil
@@ -77,9 +78,8 @@ def test_packed_equals_padded(assets):
         batch = distill.collate(samples, tokenizer.pad_token_id, packing=packing, max_tokens=128)
         with torch.no_grad():
             logits, targets, counts = distill.response_logits(student, batch)
-            t_values, t_ids, _ = distill.teacher_targets(teacher, batch, args.teacher_top_k, vocab)
-            out[packing] = (*distill.token_losses(logits, targets, t_values, t_ids, args, vocab), targets, counts,
-                            batch["input_ids"].shape[0])
+            kd, ce, _ = distill.token_losses(logits, targets, distill.teacher_logits(teacher, batch), args, vocab)
+            out[packing] = (kd, ce, targets, counts, batch["input_ids"].shape[0])
     (kd_p, ce_p, tg_p, c_p, rows_p), (kd_u, ce_u, tg_u, c_u, rows_u) = out[True], out[False]
     assert rows_p < rows_u == 12  # packing did pack
     assert torch.equal(tg_p, tg_u) and torch.equal(c_p, c_u)
@@ -89,9 +89,87 @@ def test_packed_equals_padded(assets):
     assert kd_p.mean() > 1e-3 and ce_p.mean() > 5  # a real divergence (untrained models: near uniform), not zeros
 
 
+@pytest.fixture
+def one_thread():
+    """One OpenMP thread for a test of many small matmuls: two spin-waiting against other processes on the
+    2-core test machine made such a test several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("student_kind", ["llama-0.5m", "qwen2-0.5m-tied"])
+def test_chunked_losses_equal_whole_logits(assets, student_kind, one_thread):
+    """Every loss kind with the heads chunked (16 of the 60 loss tokens at a time, both models) equals whole logits
+    in fp32 to 1e-5: per-token KD, CE and argmax hits, and every student gradient (the head weight, tied to the
+    embeddings on the Qwen2 student, and all below it, which the final hidden states' gradient reaches); the
+    teacher gets no gradient. Teacher llama-10m (hidden 256), its head scaled x20 so its distributions are far from
+    the students' near-uniform ones (KD ~1, not ~0.05). Chunked, no lm_head call sees more than 16 tokens. ~1.2 s
+    per student."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.kernels.chunked_head import HeadLogits
+    from launch.tiny import build_assets
+
+    distill = load_algo("distill")
+    build_assets(assets, models=("llama-10m",))
+    tokenizer = AutoTokenizer.from_pretrained(f"{assets}/llama-0.5m")
+    samples, args = reverse_samples(distill, tokenizer, f"{assets}/data/reverse/sft_train.jsonl", 8)
+    batch = distill.collate(samples, tokenizer.pad_token_id, max_tokens=128)
+    vocab, n = len(tokenizer), int(batch["loss_mask"].sum())
+    assert n == 60 and n % 16
+    student = AutoModelForCausalLM.from_pretrained(f"{assets}/{student_kind.removesuffix('-tied')}",
+                                                   attn_implementation="sdpa")
+    if student_kind.endswith("-tied"):  # the head is the embedding matrix: its gradient sums both uses
+        student.lm_head.weight = student.model.embed_tokens.weight
+    teacher = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-10m", attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(20)
+    head_tokens = []  # tokens per call of either model's lm_head module (a chunk at most on the chunked path)
+    for model in (student, teacher):
+        model.lm_head.register_forward_hook(lambda m, i, out: head_tokens.append(out.shape[:-1].numel()))
+    weights = torch.linspace(0.5, 1.5, n)  # per-token loss weights: every token's gradient on another scale
+    cases = [("forward_kl", 0.5, 1.0, 0, False), ("reverse_kl", 0.5, 2.0, 0, False), ("jsd", 0.3, 1.0, 0, False),
+             ("jsd", 0.3, 2.0, 16, False), ("forward_kl", 0.5, 2.0, 16, True), ("reverse_kl", 0.5, 1.0, 0, True)]
+    for kind, beta, temperature, top_k, cached in cases:
+        args.divergence, args.jsd_beta, args.temperature, args.teacher_top_k = kind, beta, temperature, top_k
+        results = []
+        for chunk in (0, 16):
+            student.logps_chunk_tokens = teacher.logps_chunk_tokens = chunk
+            student.zero_grad()
+            head_tokens.clear()
+            logits, targets, _ = distill.response_logits(student, batch)
+            if cached:  # what the cache stores, made chunked or whole
+                values, ids, _ = distill.teacher_targets(teacher, batch, top_k, vocab)
+                t = (values, ids)
+            else:
+                t = distill.teacher_logits(teacher, batch)
+                assert isinstance(t, HeadLogits) == (chunk > 0) and isinstance(logits, HeadLogits) == (chunk > 0)
+            kd, ce, hit = distill.token_losses(logits, targets, t, args, vocab)
+            ((weights * (0.7 * kd + 0.3 * ce)).sum() / n).backward()  # a token mean, as in training
+            assert all(p.grad is None for p in teacher.parameters())
+            assert (max(head_tokens) <= 16) == (chunk > 0), head_tokens
+            grads = {name: p.grad.clone() for name, p in student.named_parameters()}
+            results.append((kd.detach(), ce.detach(), hit, t, grads))
+        (kd, ce, hit, t, grads), (c_kd, c_ce, c_hit, c_t, c_grads) = results
+        case = (kind, beta, temperature, top_k, cached)
+        assert kd.mean() > 0.3 and ce.mean() > 5, case  # real divergences: a peaked teacher, near-uniform students
+        assert (c_kd - kd).abs().max() <= 1e-5 and (c_ce - ce).abs().max() <= 1e-5 and torch.equal(c_hit, hit), case
+        if cached:
+            assert (c_t[0] - t[0]).abs().max() <= 1e-5 and (t[1] is None or torch.equal(c_t[1], t[1])), case
+        for name, g in grads.items():
+            assert (c_grads[name] - g).abs().max() <= 1e-5, (case, name)
+        worst = max((c_grads[k] - g).abs().max().item() for k, g in grads.items())
+        print(f"{student_kind} {case}: kd {kd.mean():.3f}, max diff kd {(c_kd - kd).abs().max():.1e}, "
+              f"ce {(c_ce - ce).abs().max():.1e}, gradients {worst:.1e}")
+
+
 def test_cached_teacher_equals_live(assets, tmp_path):
     """The cache written under 2 ranks, the cache read back (a hit, under 1 rank) and the live teacher
-    give the same losses and eval metrics; top-k 16 and T = 2 exercise the stored top-k logits."""
+    give the same losses and eval metrics; top-k 16 and T = 2 exercise the stored top-k logits. So does a live
+    teacher under ZeRO-3 on 2 ranks with both heads in chunks of 16 (partitioned heads gathered per chunk, the
+    ranks agreeing on the chunk count; ~16 s)."""
     data = f"{assets}/data/reverse"
     common = ["--pretrain", f"{assets}/llama-0.5m", "--teacher_model", f"{assets}/qwen2-0.5m",
               "--dataset", f"{data}/sft_train.jsonl", "--eval_dataset", f"{data}/sft_test.jsonl", *TASK,
@@ -100,17 +178,18 @@ def test_cached_teacher_equals_live(assets, tmp_path):
     cache = tmp_path / "cache"
     runs = {}
     for name, nproc, extra in [("write", 2, ["--teacher_cache", cache]), ("read", 1, ["--teacher_cache", cache]),
-                               ("live", 1, [])]:
+                               ("live", 1, []), ("zero3", 2, ["--zero_stage", 3, "--logps_chunk_tokens", 16])]:
         proc = run_script("distill.py", [*common, *extra, "--save_path", tmp_path / name,
                                          "--metrics_file", tmp_path / f"{name}.jsonl"], nproc=nproc)
         runs[name] = read_jsonl(tmp_path / f"{name}.jsonl")
-        if name != "live":
+        if name in ("write", "read"):
             verb = "written" if name == "write" else "loaded"
             assert proc.stdout.count(f"teacher cache {verb}") == 2, proc.stdout[-2000:]  # train and eval sets
     assert len(os.listdir(cache)) == 2
     live = runs["live"]
     assert [m["step"] for m in live] == [0, 1, 2]
-    for name in ("write", "read"):
+    for name in ("write", "read", "zero3"):
+        assert len(runs[name]) == len(live), name
         for a, b in zip(runs[name], live):
             for key in ("train/loss", "train/kd", "eval/loss", "eval/kd", "eval/nll"):
                 if key in b:

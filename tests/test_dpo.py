@@ -10,7 +10,9 @@ import pytest
 import torch
 from conftest import load_algo, max_weight_diff, read_jsonl, run_script, run_scripts
 
-from common.packing import response_logps
+from common.packing import Layout, response_logps
+
+PADDED = Layout(one_row=False, share_prefixes=False)  # the sdpa kernel: bounded rows, prompts not shared
 
 TASK = ["--apply_chat_template", "--max_len", "64"]
 
@@ -61,7 +63,7 @@ def test_cached_reference_equals_live(assets, sft_model):
     args = dpo_args(dpo)
     raw = rows(f"{assets}/data/reverse/pref_train.jsonl")[:48]
     ds = datasets.Dataset.from_list([dpo.pref_row(r, tokenizer, args) for r in raw])
-    batch_fn = lambda samples: dpo.make_batch(samples, args, tokenizer.pad_token_id, one_row=False)  # noqa: E731
+    batch_fn = lambda samples: dpo.make_batch(samples, args, tokenizer.pad_token_id, PADDED)  # noqa: E731
     cached = dpo.sharded_logps(model, len(ds), lambda idx: dpo.pair_samples(ds, idx), 16, batch_fn, "cpu")
     assert cached.shape == (48, 2) and (cached < 0).all() and (cached[:, 0] != cached[:, 1]).all()
     order = torch.randperm(48, generator=torch.Generator().manual_seed(0)).tolist()

@@ -10,7 +10,9 @@ import pytest
 import torch
 from conftest import load_algo, max_weight_diff, read_jsonl, run_script, run_scripts
 
-from common.packing import response_logps
+from common.packing import Layout, response_logps
+
+PADDED = Layout(one_row=False, share_prefixes=False)  # the sdpa kernel: bounded rows
 
 TASK = ["--apply_chat_template", "--max_len", "64"]
 
@@ -110,7 +112,7 @@ def test_cached_reference_equals_live(assets, sft_model):
     args = kto_args(kto)
     raw = rows(f"{assets}/data/reverse/unpaired_train.jsonl")[:48]
     ds = kto.one_example_per_row(datasets.Dataset.from_list([kto.kto_row(r, tokenizer, args) for r in raw]))
-    batch_fn = lambda samples: kto.make_batch(samples, args, tokenizer.pad_token_id, one_row=False)  # noqa: E731
+    batch_fn = lambda samples: kto.make_batch(samples, args, tokenizer.pad_token_id, PADDED)  # noqa: E731
     order = torch.randperm(48, generator=torch.Generator().manual_seed(0)).tolist()
     micro_batches = [order[k : k + 6] for k in range(0, 48, 6)]
     items = [(i, i) for i in range(48)] + [p for idx in micro_batches for p in kto.kl_pairs(idx)]

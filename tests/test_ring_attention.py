@@ -2,7 +2,8 @@
 common.kernels.varlen_attention's kernels) against one process with transformers' sdpa on the same packed rows:
 per-token log-probs, per-sample sums, loss and gradients on Llama and Qwen2 (4 query / 2 KV heads),
 --ring_head_stride 1 and 2, with and without a pad token; a negative control without K/V exchange that
-fails the same bars; one DeepSpeed ZeRO-2 / ZeRO-3 SGD step against one process; sft.py, dpo.py and the
+fails the same bars; one DeepSpeed ZeRO-2 / ZeRO-3 SGD step against one process; the chunked LM head through the
+ring and under ZeRO-3 against whole logits; sft.py, dpo.py and the
 trainer groups of grpo.py and ppo.py with a ring against one process; and the argument and model checks."""
 
 import json
@@ -13,7 +14,9 @@ import sys
 import pytest
 import torch
 
-from common.ring_attention import NAME, RingArgs, check_ring_model, import_ring_flash_attn, validate_ring_args
+from common.ring_attention import (
+    NAME, RingArgs, check_ring_model, import_ring_flash_attn, ring_model_args, validate_ring_args,
+)
 from conftest import ROOT
 
 LAYERS, KV_HEADS = 2, 2
@@ -26,19 +29,22 @@ def tiny_config(arch, **extra):
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
     return cls(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
                num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=32, max_position_embeddings=256,
-               tie_word_embeddings=False, **extra)
+               **{"tie_word_embeddings": False, **extra})
 
 
 @pytest.fixture(scope="module")
 def gqa_models(tmp_path_factory):
-    """Random-init tiny Llama and Qwen2 with grouped queries (4 query heads over 2 KV heads)."""
+    """Random-init tiny Llama and Qwen2 with grouped queries (4 query heads over 2 KV heads), and a Qwen2 with
+    tied embeddings."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path_factory.mktemp("ring_models")
-    for arch in ("llama", "qwen2"):
+    configs = {"llama": tiny_config("llama"), "qwen2": tiny_config("qwen2"),
+               "qwen2-tied": tiny_config("qwen2", tie_word_embeddings=True)}
+    for name, config in configs.items():
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(tiny_config(arch)).save_pretrained(out / arch)
-    return {arch: str(out / arch) for arch in ("llama", "qwen2")}
+        AutoModelForCausalLM.from_config(config).save_pretrained(out / name)
+    return {name: str(out / name) for name in configs}
 
 
 def run_check(mode, out, paths):
@@ -52,9 +58,12 @@ def run_check(mode, out, paths):
 
 
 @pytest.fixture(scope="module")
-def ring_results(gqa_models, tmp_path_factory):
-    """One torchrun of tests/scripts/ring_check.py for the model checks and the DeepSpeed steps."""
-    result = run_check("all", tmp_path_factory.mktemp("ring") / "all.json", [gqa_models["llama"], gqa_models["qwen2"]])
+def ring_results(gqa_models, assets, tmp_path_factory):
+    """One torchrun of tests/scripts/ring_check.py for the model checks, the DeepSpeed steps and the chunked LM
+    head under ZeRO-3 (on llama-0.5m and the tied Qwen2; the qwen2-0.5m asset's embeddings are not tied)."""
+    result = run_check("all", tmp_path_factory.mktemp("ring") / "all.json",
+                       [gqa_models["llama"], gqa_models["qwen2"], "--zero3_head", f"{assets}/llama-0.5m",
+                        gqa_models["qwen2-tied"]])
     print(json.dumps(result, indent=1))
     return result
 
@@ -73,6 +82,30 @@ def test_ring_of_two_equals_full_attention(ring_results):
         control = result[f"{arch}/no_kv_exchange"]  # each rank attends only within its own slice
         assert control["kernel_calls"] == 0
         assert control["logps"] > 1e-2 and control["grads_rel"] > 1e-2 and control["loss_rel"] > 1e-4, control
+
+
+def test_chunked_head_through_the_ring_equals_whole_logits_and_one_process(ring_results):
+    """ring_token_logps with the chunked LM head (chunks of 5 over each rank's 13-token slice) = the ring with
+    whole logits = one process: log-probs, entropy, argmax hits and every gradient (the head's included)."""
+    for arch in ("llama", "qwen2"):
+        got = ring_results[f"{arch}/chunked_head"]
+        for key in ("logps_vs_whole", "logps_vs_one", "entropy_vs_whole", "entropy_vs_one", "grads_vs_whole",
+                    "grads_vs_one"):
+            assert got[key] <= 1e-5, (arch, key, got[key])
+        assert got["hits_equal"] and got["hits"] >= 3, got  # the row has argmax hits to compare
+        assert got["head_grad"] > 1e-2 and got["no_logits_made"], got
+        assert got["slice_logits"] <= 1e-5, got  # outputs.logits, computed on read, are the slice's
+
+
+def test_chunked_head_under_zero3_equals_whole_logits(ring_results):
+    """token_logps under DeepSpeed ZeRO-3 over 2 ranks (the head weight partitioned, each rank on a row of its own
+    length, so 3 and 5 chunks of 16): chunked = whole logits in log-probs, entropy, argmax hits and every full
+    gradient, for Llama and for Qwen2 with tied embeddings (the head's gradient is the embedding's)."""
+    for name, tied in (("llama-0.5m", False), ("qwen2-tied", True)):
+        got = ring_results[f"zero3_head/{name}"]
+        assert got["logps"] <= 1e-5 and got["entropy"] <= 1e-5 and got["grads"] <= 1e-5, (name, got)
+        assert got["hits_differ"] == 0 and got["hits"] >= 3 and got["same_grad_names"], (name, got)
+        assert got["tied"] is tied and got["head_grad"] > 1e-2, (name, got)
 
 
 def test_one_deepspeed_step_with_a_ring_equals_one_process(ring_results):
@@ -116,7 +149,9 @@ def test_bad_ring_arguments_fail_naming_the_flag():
         validate_ring_args(RingArgs(ring_attn_size=2), 2, ModelArgs(pretrain="m", aux_loss_coef=0.01), data)
     model = ModelArgs(pretrain="m")
     assert validate_ring_args(RingArgs(ring_attn_size=2), 4, model, data) == 2  # the data-parallel size
-    assert model.attn_implementation == NAME
+    assert model.attn_implementation is None  # validation changes nothing; ring_model_args resolves
+    assert ring_model_args(model, RingArgs(ring_attn_size=2)).attn_implementation == NAME
+    assert ring_model_args(model, RingArgs()) is model
     assert validate_ring_args(RingArgs(), 4, ModelArgs(pretrain="m"), data) == 4
 
 

@@ -17,7 +17,7 @@ from conftest import ROOT, load_algo, read_jsonl, run_script
 from common.data import BadRow, DataArgs
 
 from common.infra.datasets import prepare_dataset
-from common.packing import collate
+from common.packing import Layout, collate
 from common.infra.reward import reward_index, score, sequence_rewards
 
 PAIR = ["--prompt_key", "prompt", "--apply_chat_template", "--max_len", "64"]
@@ -120,8 +120,8 @@ def test_prm_loss_only_at_step_tags(assets):
     model = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m", attn_implementation="sdpa").eval()
     (chunk,) = rm.micro_batches_of(ds, range(6), 6, args)
     with torch.no_grad():
-        loss_sum, stats = rm.forward_loss(model, rm.make_batch(chunk, args, tokenizer.pad_token_id, False), args,
-                                          [good, bad])
+        batch = rm.make_batch(chunk, args, tokenizer.pad_token_id, Layout(one_row=False, share_prefixes=False))
+        loss_sum, stats = rm.forward_loss(model, batch, args, [good, bad])
         expected, steps = 0.0, 0
         for row, sample in zip(raw, chunk):
             logits = model(input_ids=torch.tensor([sample["input_ids"]])).logits[0]

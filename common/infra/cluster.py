@@ -8,15 +8,35 @@ function, weight sync to the engines, and the engines' share of a rollout's prom
 import math
 import os
 import sys
+from dataclasses import dataclass, replace
+from typing import Optional
 
 import torch
 
 from common.data import BadRow, format_prompt, validate_prompt_args
-from common.episodes import load_env, validate_agent_args
+from common.episodes import episode_tokens, load_env, validate_agent_args
 from common.infra.datasets import load_one
 from common.infra.engine import ModelArgs, free_port, init_distributed, set_seed, uses_bf16
 from common.infra.gpu import check_colocation, check_weight_sync_model
 from common.infra.vllm_engine import resolve_max_model_len
+
+
+@dataclass
+class ClusterArgs:
+    vllm_num_engines: int = 1
+    """vLLM engines (each --vllm_tensor_parallel_size devices; on CPU one engine's decode loop uses one core)."""
+    colocate_all_models: bool = False
+    """Put every model of the run (trainers, reference, critic, vLLM engines, reward models) on the (actor)
+    trainers' devices, one placement-group bundle each."""
+    vllm_enable_sleep: bool = False
+    """Sleep the vLLM engines while training (CUDA; a logged no-op on CPU)."""
+    ray_address: Optional[str] = None
+    """Join this Ray cluster (default: start a local Ray)."""
+    startup_timeout: float = 900.0
+    """Seconds every role (trainers, critic, vLLM engines, reward models) may take to load its models and start."""
+    rendezvous_timeout: float = 120.0
+    """Seconds a group set-up (trainer groups, weight sync) waits for its members; then it stops naming who did
+    not join."""
 
 
 def off_policy(args):
@@ -27,7 +47,7 @@ def off_policy(args):
 
 def validate_rollout_args(args, world, script):
     """The checks of the flags every RL driver shares (world: actor trainer ranks; the script checked its ring
-    flags first); fills --max_model_len."""
+    flags first), pure: resolve_rollout_args then fills the derived settings and loads the files."""
     if args.model.aux_loss_coef > 0:
         raise ValueError(f"--aux_loss_coef (MoE load balancing) is not implemented in {script}")
     n = args.n_samples_per_prompt
@@ -47,54 +67,55 @@ def validate_rollout_args(args, world, script):
     elif not (args.remote_rm_url or args.reward_pretrain):
         raise ValueError("no reward: give --remote_rm_url (a .py reward file or an HTTP URL), --reward_pretrain, "
                          "or an environment (--agent_func_path)")
-    if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
-        from common.infra.remote_reward import load_reward_func
-
-        # a missing file or function fails now, not after the models load
-        load_reward_func(args.remote_rm_url, "--remote_rm_url")
-    needed = max(args.prompt_max_len + args.generate_max_len, args.agent.max_episode_tokens or 0)
-    if args.engine.max_model_len is not None and args.engine.max_model_len < needed:
+    if args.engine.max_model_len is not None and args.engine.max_model_len < model_len_needed(args):
         raise ValueError(f"--max_model_len {args.engine.max_model_len} must be >= --prompt_max_len "
                          f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len}"
-                         + (f" and >= --max_episode_tokens {args.agent.max_episode_tokens}"
+                         + (f" and >= --max_episode_tokens {episode_tokens(args)}"
                             if args.agent.agent_func_path else ""))
-    args.engine.max_model_len = resolve_max_model_len(args.model.pretrain, args.engine.max_model_len, needed)
-    if args.use_kl_loss and args.init_kl_coef <= 0:
-        raise ValueError("--use_kl_loss needs --init_kl_coef > 0")
-    if args.use_kl_loss and args.kl_estimator == "k1":  # E[grad k1] = E[grad log p] = 0 under the policy
-        raise ValueError("--use_kl_loss with --kl_estimator k1 regularises nothing (the expected gradient of k1 as a "
-                         "loss is 0): use --kl_estimator k3 (the gradient of KL(ref||policy), GRPO's) or k2 (of "
-                         "KL(policy||ref))")
-    if args.temperature != 1:
-        print(f"warning: --temperature {args.temperature}: the update reads the untempered policy's log-probs, so it "
-              "trains on samples of another distribution, uncorrected", file=sys.stderr)
-    if args.dual_clip is not None and args.dual_clip <= 1:
-        raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
     if args.overlong_buffer_len >= args.generate_max_len:
         raise ValueError(f"--overlong_buffer_len {args.overlong_buffer_len} must be < --generate_max_len")
-    if args.colocate_all_models and args.vllm_num_engines * args.engine.tp_size != world:
+    if args.cluster.colocate_all_models and args.cluster.vllm_num_engines * args.engine.tp_size != world:
         raise ValueError(f"--colocate_all_models puts one engine device on each trainer device: --vllm_num_engines "
                          f"x --vllm_tensor_parallel_size must equal {world} trainer ranks")
-    if args.vllm_enable_sleep and not args.colocate_all_models:
+    if args.cluster.vllm_enable_sleep and not args.cluster.colocate_all_models:
         raise ValueError("--vllm_enable_sleep only helps with --colocate_all_models")
-    check_colocation(args.colocate_all_models, args.engine.vllm_gpu_memory_utilization, args.engine.tp_size,
+    check_colocation(args.cluster.colocate_all_models, args.engine.vllm_gpu_memory_utilization, args.engine.tp_size,
                      torch.cuda.is_available())  # common.infra.gpu: what a CUDA device cannot hold
     check_weight_sync_model(args.model.load_in_4bit, True, script)
     overlap = args.async_rollout
     if overlap.max_staleness < 0:
         raise ValueError(f"--max_staleness must be >= 0, got {overlap.max_staleness}")
-    if overlap.async_train and args.vllm_enable_sleep:
+    if overlap.async_train and args.cluster.vllm_enable_sleep:
         raise ValueError("--async_train generates while the trainer updates: the engines cannot sleep "
                          "(drop --vllm_enable_sleep)")
-    if off_policy(args):  # samples one update old: the clip is the trust region that keeps that stable
-        eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
-        if not (0 < eps_low < 1 and 0 < eps_high < 1):
-            raise ValueError(f"--async_train with --max_staleness {overlap.max_staleness} needs a clipped ratio: "
-                             f"--eps_clip / --eps_clip_low_high bounds in (0, 1), got {eps_low}, {eps_high}")
-        if args.vllm_is_truncation > 0:
-            raise ValueError("--vllm_is_truncation with --async_train --max_staleness > 0: the old policy is already "
-                             "vLLM's (the ratio p_trainer / p_vllm is the clipped PPO ratio)")
     validate_prompt_args(args.input_template, args.apply_chat_template)
+
+
+def model_len_needed(args):
+    """The longest sequence an RL run's engines hold: prompt and response, or a whole episode."""
+    episode = episode_tokens(args) if args.agent.agent_func_path else 0
+    return max(args.prompt_max_len + args.generate_max_len, episode)
+
+
+def resolve_rollout_args(args):
+    """The one step after validate_rollout_args that reads files and fills derived settings: the --remote_rm_url
+    reward file and the --agent_func_path environment are loaded (a missing file or function fails now, not after
+    the models load), --max_episode_tokens and --max_model_len are filled (the latter from the model's config), and
+    --temperature != 1 is warned about. Returns a copy of args with those filled."""
+    if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
+        from common.infra.remote_reward import load_reward_func
+
+        load_reward_func(args.remote_rm_url, "--remote_rm_url")
+    agent = args.agent
+    if agent.agent_func_path:
+        load_env(agent.agent_func_path)
+        agent = replace(agent, max_episode_tokens=episode_tokens(args))
+    engine = replace(args.engine, max_model_len=resolve_max_model_len(args.model.pretrain, args.engine.max_model_len,
+                                                                      model_len_needed(args)))
+    if args.temperature != 1:
+        print(f"warning: --temperature {args.temperature}: the update reads the untempered policy's log-probs, so it "
+              "trains on samples of another distribution, uncorrected", file=sys.stderr)
+    return replace(args, agent=agent, engine=engine)
 
 
 def load_prompts(spec, split, args, tokenizer, max_samples):
@@ -143,8 +164,8 @@ def start_ray(args, num_roles, root):
     """Join --ray_address, or start a local Ray with a logical CPU for every role even on a 2-core machine."""
     import ray
 
-    if args.ray_address:
-        ray.init(address=args.ray_address, runtime_env={"env_vars": {"PYTHONPATH": root}})
+    if args.cluster.ray_address:
+        ray.init(address=args.cluster.ray_address, runtime_env={"env_vars": {"PYTHONPATH": root}})
     else:
         ray.init(num_cpus=max(os.cpu_count() or 1, num_roles), include_dashboard=False,
                  runtime_env={"env_vars": {"PYTHONPATH": root, "TOKENIZERS_PARALLELISM": "false"}})
@@ -203,8 +224,9 @@ def weight_sync(args, rank, engines):
 
     from common.infra.weight_sync import WeightSync
 
-    return WeightSync(engines if rank == 0 else [], colocated=args.colocate_all_models, tp_size=args.engine.tp_size,
-                      host=ray.util.get_node_ip_address(), timeout_s=args.rendezvous_timeout,
+    return WeightSync(engines if rank == 0 else [], colocated=args.cluster.colocate_all_models,
+                      tp_size=args.engine.tp_size, host=ray.util.get_node_ip_address(),
+                      timeout_s=args.cluster.rendezvous_timeout,
                       dtype=torch.bfloat16 if uses_bf16(args.train) else None)
 
 
@@ -214,14 +236,14 @@ def start_engines(args, roles, cpus, gpus, at=None):
     from common.infra.vllm_engine import create_vllm_actor, default_max_num_seqs
 
     # an engine holds at once every sample of its share of a rollout (or of an evaluation round)
-    per_engine = math.ceil(args.rollout_batch_size / args.vllm_num_engines)
+    per_engine = math.ceil(args.rollout_batch_size / args.cluster.vllm_num_engines)
     max_num_seqs = default_max_num_seqs(per_engine * max(args.n_samples_per_prompt, args.eval_n_samples_per_prompt))
     return [roles.add(f"vLLM engine {i}", create_vllm_actor(
                 args.model.pretrain, args.engine, num_cpus=cpus, num_gpus=gpus * args.engine.tp_size,
-                enable_sleep=args.vllm_enable_sleep, colocated=at is not None, max_num_seqs=max_num_seqs,
+                enable_sleep=args.cluster.vllm_enable_sleep, colocated=at is not None, max_num_seqs=max_num_seqs,
                 bf16=uses_bf16(args.train),
                 options={"scheduling_strategy": at(i * args.engine.tp_size)} if at else {}))
-            for i in range(args.vllm_num_engines)]
+            for i in range(args.cluster.vllm_num_engines)]
 
 
 def start_reward_models(args, roles, cpus, gpus, strategy=None):

@@ -21,7 +21,7 @@ import sys
 import threading
 import typing
 import warnings
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Literal, Optional
 
 import numpy as np
@@ -298,12 +298,6 @@ def finish(error=None):
     os._exit(0 if error is None else 1)
 
 
-def unwrap(model):
-    """The Hugging Face model inside a DeepSpeed engine and / or a peft wrapper."""
-    model = getattr(model, "module", model)  # DeepSpeed engine
-    return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
-
-
 def is_rank0():
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -359,8 +353,11 @@ def precision_config(train: TrainArgs):
     return {"bf16": {"enabled": bf16 and cuda}, **autocast}
 
 
-def deepspeed_config(train: TrainArgs, world_size):
-    """DeepSpeed training config: --param_dtype's precision, batch sizes checked against the world."""
+def deepspeed_config(train: TrainArgs, world_size, ring_size=1):
+    """DeepSpeed training config: --param_dtype's precision, batch sizes checked against the world. DeepSpeed counts
+    every rank of an attention ring (common.ring_attention) as data-parallel, so it gets --train_batch_size x
+    ring_size, and the accumulation steps come from the data-parallel size."""
+    train = replace(train, train_batch_size=train.train_batch_size * ring_size)
     zero = {"stage": train.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
     if train.zero_stage == 3:
         zero.update(stage3_param_persistence_threshold=1e4, stage3_prefetch_bucket_size=5e7)
@@ -560,6 +557,88 @@ def create_eval_engine(model, ds_config):
     engine, *_ = deepspeed.initialize(model=model, config=ds_config)
     engine.eval()
     return engine
+
+
+# ----------------------------------------------------------------------------------------------
+# A script's main() in a few calls: setup, train_engine / frozen_engine, resume, maybe_save
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class World:
+    """Where this rank stands in the run (what setup returns)."""
+    size: int
+    """Ranks in the run."""
+    dp_rank: int
+    """Which share of each global batch this rank takes (the ranks of a ring take the same one)."""
+    dp_world: int
+    """How many shares there are: ranks / ring size."""
+    ring: Optional[object] = None
+    """This rank's common.ring_attention.Ring with --ring_attn_size > 1, else None."""
+
+
+def setup(ring_args, seed) -> World:
+    """Join the torchrun group (a plain `python` run is a world of one; a rank already in a group, such as a Ray
+    trainer rank after join_group, stays in it), build the attention rings of `ring_args` (a
+    common.ring_attention.RingArgs) and seed every generator."""
+    init_distributed()
+    ring = None
+    if ring_args.ring_attn_size > 1:
+        from common.ring_attention import setup_ring
+
+        ring = setup_ring(ring_args)
+    size = dist.get_world_size()
+    set_seed(seed)
+    if ring is None:
+        return World(size=size, dp_rank=dist.get_rank(), dp_world=size)
+    return World(size=size, dp_rank=ring.dp_rank, dp_world=ring.dp_world, ring=ring)
+
+
+def train_engine(model_args: ModelArgs, train: TrainArgs, num_training_steps, world: World, offload_states=False,
+                 **load_kwargs):
+    """load_causal_lm (`load_kwargs`: e.g. model_cls for a reward or value model) wrapped by create_train_engine,
+    for the ring of `world` where there is one. The engine carries `engine.layout`, how this model's micro-batches
+    become rows (common.packing.Layout)."""
+    ds_config = deepspeed_config(train, world.size, ring_size=world.ring.size if world.ring else 1)
+    model = load_causal_lm(model_args, ds_config, **load_kwargs)
+    return with_layout(create_train_engine(model, train, ds_config, num_training_steps, offload_states), world.ring)
+
+
+def frozen_engine(model_args: ModelArgs, train: TrainArgs, world: World, offload=False, **load_kwargs):
+    """A frozen model (reference, teacher, reward model) under DeepSpeed inference (deepspeed_eval_config: ZeRO-3
+    partitioned when training is, parameters on the CPU with `offload`), with `engine.layout` as train_engine
+    sets it."""
+    ds_config = deepspeed_eval_config(train, world.size, offload=offload)
+    return with_layout(create_eval_engine(load_causal_lm(model_args, ds_config, **load_kwargs), ds_config), world.ring)
+
+
+def with_layout(engine, ring):
+    """Set engine.layout from the attention kernel the model was loaded with (the one place that reads it); with a
+    ring, check the model runs it exactly (ValueError naming the flags)."""
+    from common.packing import batch_layout, unwrap
+
+    if ring is not None:
+        from common.ring_attention import check_ring_model
+
+        check_ring_model(engine.module, ring)
+    engine.layout = batch_layout(unwrap(engine).config._attn_implementation, ring)
+    return engine
+
+
+def resume(engine, ckpt: CkptArgs):
+    """With --load_checkpoint: load the newest checkpoint in --ckpt_path into `engine` and return its client state
+    (None where there is none yet; rank 0 says which); without it, None."""
+    if not ckpt.load_checkpoint:
+        return None
+    state = load_checkpoint(engine, ckpt.ckpt_path)
+    if is_rank0():
+        print(f"resumed from {ckpt.ckpt_path} at step {state['global_step']}" if state else
+              f"no checkpoint in {ckpt.ckpt_path}: starting from step 0")
+    return state
+
+
+def maybe_save(engine, ckpt: CkptArgs, global_step, total_steps, client_state):
+    """Every --save_steps optimizer steps and at the last step, save_checkpoint to --ckpt_path."""
+    if ckpt.save_steps > 0 and (global_step % ckpt.save_steps == 0 or global_step == total_steps):
+        save_checkpoint(engine, ckpt.ckpt_path, global_step, client_state, ckpt.max_ckpt_num)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ each sample's own last token rather than at the end of each row.
 import torch
 import torch.distributed as dist
 
-from common.infra.engine import unwrap
+from common.packing import unwrap
 from common.packing import collate, to_device
 
 

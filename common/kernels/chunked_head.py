@@ -11,10 +11,24 @@ more head matmul per chunk in backward (the whole path keeps its logits instead)
 
 The log-softmax math runs in fp32 whatever the input dtype, as the whole-logits path casts `.float()`; the head
 matmul itself runs in `compute_dtype` (the autocast dtype the model's forward ran under, else the weight's).
+
+Two implementations, the same numbers: ChunkedHead, an autograd function reading the head weight directly (a
+plain nn.Linear head), and module_chunked_head, which calls the head *module* per chunk under
+torch.utils.checkpoint, so the module's own hooks run in forward and again in backward: DeepSpeed ZeRO-3 gathers
+a partitioned weight and routes its gradient to the partition, peft applies a LoRA or modules_to_save head.
+
+For other losses over the whole distribution (distillation's divergences, teacher and student together), HeadLogits
+and map_logit_chunks give the same memory bound: the loss is a per-chunk function of the chunk's logits, run under
+torch.utils.checkpoint so backward recomputes the chunk.
 """
 
+import dataclasses
+from typing import Optional
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 class ChunkedHead(torch.autograd.Function):
@@ -116,6 +130,42 @@ def chunked_head(hidden, weight, targets, chunk_tokens, bias=None, with_entropy=
     return out
 
 
+def _head_chunk(head, hidden, targets, with_entropy, with_argmax, autocast_dtype):
+    """(logp, lse, entropy, hit) of one chunk through the head module (entropy / hit empty unless asked)."""
+    kind = hidden.device.type
+    with torch.autocast(kind, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        logits = head(hidden).float()
+    lse = torch.logsumexp(logits, -1)
+    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
+    empty = logits.new_empty(0)
+    entropy = lse - (logits.sub(lse[:, None]).exp() * logits).sum(-1) if with_entropy else empty
+    hit = logits.argmax(-1) == targets if with_argmax else empty.bool()
+    return logp, lse, entropy, hit
+
+
+def module_chunked_head(head, hidden, targets, chunk_tokens, with_entropy=False, with_argmax=False,
+                        autocast_dtype=None):
+    """chunked_head's outputs through the head *module* `head`: each chunk's logits are `head(chunk)` (under
+    autocast to `autocast_dtype` when given) inside torch.utils.checkpoint, so forward frees them and backward
+    recomputes them one chunk at a time, the module's hooks running both times. Under ZeRO-3 every call gathers
+    the head weight collectively, so the ranks agree on the number of chunks (the largest any rank needs; a rank
+    with fewer tokens takes smaller chunks)."""
+    chunks = max(1, -(-hidden.shape[0] // int(chunk_tokens)))
+    if dist.is_initialized() and any(hasattr(p, "ds_id") for p in head.parameters()):
+        count = torch.tensor(chunks, device=hidden.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        chunks = int(count)
+    parts = [checkpoint(_head_chunk, head, h, t, with_entropy, with_argmax, autocast_dtype, use_reentrant=False)
+             for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks))]
+    logp, lse, entropy, hit = (torch.cat(values) for values in zip(*parts))
+    out = {"logp": logp, "lse": lse}
+    if with_entropy:
+        out["entropy"] = entropy
+    if with_argmax:
+        out["hit"] = hit
+    return out
+
+
 # Causal LMs whose logits are exactly `lm_head(final hidden states)` (no scaling or soft-capping) and whose
 # forward takes `logits_to_keep`; tested chunked = whole in tests/test_chunked_head.py.
 CHUNKED_HEAD_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -124,29 +174,39 @@ CHUNKED_HEAD_MODEL_TYPES = ("llama", "mistral", "qwen2")
 def head_chunk_tokens(model):
     """Tokens per chunk of the LM head for `model` (bare, in a DeepSpeed engine and / or a peft wrapper): the
     `logps_chunk_tokens` attribute common.infra.engine.load_causal_lm sets from --logps_chunk_tokens, or 0 (whole
-    logits) where it is unset or the chunked head does not apply: a model type outside CHUNKED_HEAD_MODEL_TYPES,
-    a head that is not a plain nn.Linear (LoRA or modules_to_save on lm_head, a quantised head), or ZeRO-3 (a
-    partitioned head weight would have to be gathered in forward and again in backward, outside DeepSpeed's
-    module hooks that route its gradient to the partition)."""
-    from common.infra.engine import unwrap
-
-    hf = unwrap(model)
+    logits) where it is unset or the model type is outside CHUNKED_HEAD_MODEL_TYPES. Any head module applies
+    (plain, tied, LoRA or modules_to_save on lm_head, ZeRO-3 partitioned): see uses_head_module."""
+    hf = hf_model(model)
     chunk = getattr(hf, "logps_chunk_tokens", 0)
-    head = getattr(hf, "lm_head", None)
     if not chunk or getattr(hf.config, "model_type", None) not in CHUNKED_HEAD_MODEL_TYPES:
-        return 0
-    if type(head) is not torch.nn.Linear or hasattr(head.weight, "ds_id"):
         return 0
     return chunk
 
 
-class HeadOutputs:
-    """A model's outputs on the chunked-head path: the model's own fields (aux_loss, ...) read through, and
-    `logits` (rows, width, vocab) computed on first read as the head of the final hidden states, in the dtype
-    the head ran in."""
+def uses_head_module(head):
+    """Whether the chunked head must call the head module (module_chunked_head) rather than read its weight
+    (ChunkedHead, whose backward recomputes only each chunk's matmul, not an autograd graph of the log-softmax): a
+    head that is not a plain nn.Linear (a peft wrapper), or one whose weight DeepSpeed ZeRO-3 partitions
+    (`ds_id`)."""
+    return type(head) is not torch.nn.Linear or any(hasattr(p, "ds_id") for p in head.parameters())
 
-    def __init__(self, outputs, hidden, head, dtype):
-        self._outputs, self._hidden, self._head, self._dtype, self._logits = outputs, hidden, head, dtype, None
+
+def hf_model(model):
+    """The Hugging Face model inside a DeepSpeed engine and / or a peft wrapper (common.packing.unwrap; this kernel
+    imports nothing of the project)."""
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+class HeadOutputs:
+    """A model's outputs on the chunked-head path: the model's own fields (aux_loss, ...) read through,
+    `final_hidden` (rows, width, hidden), `head` (the LM head module), `autocast_dtype` (the autocast dtype the
+    forward ran under, or None), and `logits` (rows, width, vocab) computed on first read as `head(final_hidden)`
+    under that autocast (under ZeRO-3 a collective gather of the head: every rank must read them)."""
+
+    def __init__(self, outputs, final_hidden, head, autocast_dtype):
+        self._outputs, self.final_hidden, self.head, self.autocast_dtype = outputs, final_hidden, head, autocast_dtype
+        self._logits = None
 
     def __getattr__(self, name):
         return getattr(self._outputs, name)
@@ -154,44 +214,60 @@ class HeadOutputs:
     @property
     def logits(self):
         if self._logits is None:
-            bias = None if self._head.bias is None else self._head.bias.to(self._dtype)
-            self._logits = F.linear(self._hidden.to(self._dtype), self._head.weight.to(self._dtype), bias)
+            kind, dtype = self.final_hidden.device.type, self.autocast_dtype
+            with torch.autocast(kind, dtype=dtype or torch.float32, enabled=dtype is not None):
+                self._logits = self.head(self.final_hidden)
         return self._logits
 
 
-def chunked_token_logps(model, batch, chunk, return_argmax, return_entropy):
-    """token_logps through common.kernels.chunked_head. The model itself is called (a DeepSpeed engine keeps its
-    autocast and hooks, peft its adapters) with an empty `logits_to_keep`, so it computes no logits; a forward
-    hook on its base model keeps the final hidden states and the autocast dtype they were made under."""
-    from common.infra.engine import unwrap
-
-    hf = unwrap(model)
-    head, kept = hf.lm_head, {}
+def forward_without_logits(model, **inputs):
+    """Call `model` (a DeepSpeed engine keeps its autocast and hooks, peft its adapters) on `inputs` with an
+    empty `logits_to_keep`, so it computes no logits; returns a HeadOutputs over the final hidden states, which a
+    forward hook on the base model keeps with the autocast dtype they were made under."""
+    hf = hf_model(model)
+    kept = {}
 
     def keep(module, args, out):
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         kind = hidden.device.type
         kept["hidden"] = hidden
-        kept["dtype"] = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else head.weight.dtype
+        kept["autocast"] = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
-    input_ids = batch["input_ids"]
+    device = inputs["input_ids"].device
     handle = getattr(hf, hf.base_model_prefix).register_forward_hook(keep)
     try:
-        outputs = model(
-            input_ids=input_ids, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-            use_cache=False, logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device),
-        )
+        outputs = model(**inputs, logits_to_keep=torch.zeros(0, dtype=torch.long, device=device))
     finally:
         handle.remove()
-    hidden = kept["hidden"]
+    return HeadOutputs(outputs, kept["hidden"], hf.lm_head, kept["autocast"])
+
+
+def head_token_values(outputs, hidden, targets, chunk, with_entropy=False, with_argmax=False):
+    """The chunked head of `outputs` (a HeadOutputs) over `hidden` (tokens, hidden) predicting `targets`
+    (tokens,): chunked_head's dict (logp, lse, and as asked entropy and hit), through ChunkedHead for a plain
+    head and module_chunked_head where uses_head_module."""
+    head, autocast = outputs.head, outputs.autocast_dtype
+    if uses_head_module(head):
+        return module_chunked_head(head, hidden, targets, chunk, with_entropy=with_entropy, with_argmax=with_argmax,
+                                   autocast_dtype=autocast)
+    return chunked_head(hidden, head.weight, targets, chunk, bias=head.bias, with_entropy=with_entropy,
+                        with_argmax=with_argmax, compute_dtype=autocast or head.weight.dtype)
+
+
+def chunked_token_logps(model, batch, chunk, return_argmax, return_entropy):
+    """token_logps through the chunked head: the model's forward makes no logits (forward_without_logits), and
+    head_token_values runs over the row's predictions, shared-prefix branches' first tokens included."""
+    input_ids = batch["input_ids"]
+    outputs = forward_without_logits(model, input_ids=input_ids, attention_mask=batch["attention_mask"],
+                                     position_ids=batch["position_ids"], use_cache=False)
+    hidden = outputs.final_hidden
     rows, width = input_ids.shape
     flat, targets = hidden[:, :-1].reshape(-1, hidden.shape[-1]), input_ids[:, 1:].reshape(-1)
     if batch.get("branch_starts"):  # a branch's first token is predicted from its root's token s - 1
         b_rows, b_tokens, b_sources = torch.tensor(batch["branch_starts"], device=input_ids.device).unbind(1)
         flat = torch.cat([flat, hidden[b_rows, b_sources]])
         targets = torch.cat([targets, input_ids[b_rows, b_tokens]])
-    out = chunked_head(flat, head.weight, targets, chunk, bias=head.bias, with_entropy=return_entropy,
-                       with_argmax=return_argmax, compute_dtype=kept["dtype"])
+    out = head_token_values(outputs, flat, targets, chunk, with_entropy=return_entropy, with_argmax=return_argmax)
     n = rows * (width - 1)
 
     def layout(values):  # (rows, width): column t about token t, branch first tokens from their sources
@@ -200,9 +276,75 @@ def chunked_token_logps(model, batch, chunk, return_argmax, return_entropy):
 
     starts = batch["position_ids"] == 0
     logps = layout(out["logp"]).masked_fill(starts, 0.0)
-    outputs = HeadOutputs(outputs, hidden, head, kept["dtype"])
     if return_entropy:
         outputs.entropy = layout(out["entropy"])
     if return_argmax:
         return logps, outputs, layout(out["hit"]) & ~starts
     return logps, outputs
+
+
+# ----------------------------------------------------------------------------------------------
+# Logits made a chunk at a time for losses other than token_logps' (distillation's divergences)
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class HeadLogits:
+    """An LM head's logits of chosen tokens, never made whole: `logits[s:e]` is tokens s..e-1's (e - s, vocab)
+    float32 logits, `head(hidden[s:e])` under the autocast the model's forward ran under (the head module's hooks
+    run per call: ZeRO-3 gathers, peft adapters); map_logit_chunks visits them `chunk_tokens` at a time. It stands
+    where a (tokens, vocab) logits tensor would."""
+
+    hidden: torch.Tensor  # (tokens, hidden width): the final hidden states that predict them
+    head: torch.nn.Module  # the LM head module
+    autocast_dtype: Optional[torch.dtype]
+    chunk_tokens: int
+    frozen: bool = False  # no gradient to the head or the hidden states (a teacher's)
+
+    def __len__(self):
+        return self.hidden.shape[0]
+
+    def __getitem__(self, tokens: slice):
+        kind, dtype = self.hidden.device.type, self.autocast_dtype
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.frozen), \
+                torch.autocast(kind, dtype=dtype or torch.float32, enabled=dtype is not None):
+            return self.head(self.hidden[tokens]).float()
+
+    def detach(self):
+        return dataclasses.replace(self, hidden=self.hidden.detach(), frozen=True)
+
+
+def head_logits_at(model, batch, rows, cols):
+    """HeadLogits of `model` (head_chunk_tokens(model) > 0) at positions (rows, cols) of a collated batch, in
+    chunks of head_chunk_tokens(model); the model's forward makes no logits (forward_without_logits)."""
+    outputs = forward_without_logits(model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                     position_ids=batch["position_ids"], use_cache=False)
+    return HeadLogits(outputs.final_hidden[rows, cols], outputs.head, outputs.autocast_dtype,
+                      head_chunk_tokens(model))
+
+
+def map_logit_chunks(logits, fn):
+    """fn over the tokens of `logits`, concatenated: fn(chunk, s, e) takes tokens s..e-1's float32 logits
+    (e - s, vocab) and returns a tuple of per-token tensors (e - s, ...) or Nones (which stay None). A (tokens,
+    vocab) tensor goes to fn whole; a HeadLogits goes a chunk at a time, each under torch.utils.checkpoint where
+    gradients flow, so the chunk's logits and fn's temporaries are freed after forward and recomputed in backward:
+    the extra memory is O(chunk x vocab), the price the head once more per chunk (and whatever fn computes, such as
+    a live teacher's logits). Under ZeRO-3 every head call gathers its weight collectively, so the ranks agree on
+    the number of chunks (the largest any rank needs), as module_chunked_head does."""
+    if torch.is_tensor(logits):
+        return tuple(fn(logits, 0, len(logits)))
+    n = len(logits)
+    chunks = max(1, -(-n // logits.chunk_tokens))
+    if dist.is_initialized() and any(hasattr(p, "ds_id") for p in logits.head.parameters()):
+        count = torch.tensor(chunks, device=logits.hidden.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        chunks = int(count)
+    grads = torch.is_grad_enabled() and not logits.frozen and (
+        logits.hidden.requires_grad or any(p.requires_grad for p in logits.head.parameters()))
+    parts, e = [], 0
+    for size in [len(part) for part in torch.arange(n).tensor_split(chunks)]:  # as tensor_split divides them
+        s, e = e, e + size
+        if grads:  # no randomness in a head and a loss: the RNG state need not be kept for the recompute
+            parts.append(checkpoint(lambda s=s, e=e: tuple(fn(logits[s:e], s, e)), use_reentrant=False,
+                                    preserve_rng_state=False))
+        else:
+            parts.append(tuple(fn(logits[s:e], s, e)))
+    return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts))

@@ -3,10 +3,13 @@ ranks against one process with full attention, written as max differences to a J
 
     ring_check.py model  OUT MODEL_DIR...   per-token log-probs, per-sample sums, loss and gradients of packed
                                             rows (24 tokens, and 25: one pad token), --ring_head_stride 1 and 2,
-                                            plus the negative control (the same split, no K/V exchange)
+                                            plus the negative control (the same split, no K/V exchange) and
+                                            the chunked LM head (chunked ring = whole-logits ring = one process)
     ring_check.py step   OUT MODEL_DIR      one SGD step under DeepSpeed ZeRO-2 and ZeRO-3 with a ring of 2,
                                             against the same step taken by one process
     ring_check.py all    OUT MODEL_DIR...   both (the step on the last model)
+    ... --zero3_head MODEL_DIR...           after the other arguments: the chunked LM head against whole logits
+                                            under DeepSpeed ZeRO-3 on these models, each rank on its own row
 """
 
 import json
@@ -17,10 +20,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from common.infra.engine import ModelArgs, TrainArgs, finish, init_distributed, load_causal_lm  # noqa: E402
+from common.infra.engine import (  # noqa: E402
+    ModelArgs, TrainArgs, deepspeed_config, finish, init_distributed, load_causal_lm,
+)
 from common.packing import collate, per_sample_sum, token_logps  # noqa: E402
 from common.ring_attention import (  # noqa: E402
-    NAME, RingArgs, check_ring_model, ring_deepspeed_config, ring_token_logps, setup_ring,
+    NAME, RingArgs, check_ring_model, ring_token_logps, setup_ring,
 )
 
 # a 24-token row whose second sample crosses the ranks' boundary (12); 25 tokens need one pad token
@@ -34,6 +39,18 @@ def packed_row(total, seed=0):
         ids = torch.randint(3, 250, (n,), generator=g).tolist()
         samples.append({"input_ids": ids, "loss_mask": [0] * (n // 3) + [1] * (n - n // 3)})
     return collate(samples, 0, packing=True, one_row=True)
+
+
+@torch.no_grad()
+def plant_hits(path, batch, every=4):
+    """Set every `every`-th token of the row that is not a sample's first to the model's argmax prediction of it
+    (left to right, each from the tokens before it), so that argmax hits are there to compare."""
+    model, ids = load(path, "sdpa"), batch["input_ids"]
+    for t in range(1, ids.shape[1], every):
+        if batch["position_ids"][0, t] > 0:
+            logits = model(input_ids=ids, position_ids=batch["position_ids"], use_cache=False).logits
+            ids[0, t] = logits[0, t - 1].argmax()
+    return batch
 
 
 def load(path, impl):
@@ -80,6 +97,90 @@ def compare_model(path, ring, total, exchange=True):
     }
 
 
+def chunked_ring_check(path, ring, total=25, chunk=5):
+    """The chunked LM head through the ring (chunks of 5 over each rank's slice of 13 tokens) against the ring
+    with whole logits and against one process, on a row where some tokens are the argmax: log-probs, entropy and
+    argmax hits of the row, and every gradient of a loss using both (the head weight's included), as max
+    absolute differences."""
+    batch = plant_hits(path, packed_row(total))
+    weights = torch.linspace(0.5, 1.5, batch["input_ids"].shape[1])
+    inside = batch["position_ids"] > 0  # the ring's entropy is 0 at a sample's first token, token_logps' is not
+
+    def run(model, logps_fn):
+        logps, outputs, hits = logps_fn(model, batch, return_argmax=True, return_entropy=True)
+        mask = batch["loss_mask"]
+        (-((logps * weights + 0.1 * outputs.entropy) * mask).sum() / mask.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        return logps.detach(), outputs.entropy.detach(), hits, grads, outputs
+
+    one = run(load(path, "sdpa"), token_logps)
+    runs = {}
+    for name, chunk_tokens in (("whole", 0), ("chunked", chunk)):
+        model = load(path, NAME)
+        model.logps_chunk_tokens = chunk_tokens
+        *values, grads, outputs = run(model, lambda m, b, **kw: ring_token_logps(m, b, ring, **kw))
+        for g in grads.values():
+            dist.all_reduce(g, group=ring.group)  # each rank holds its slice's share, ring size times over
+        runs[name] = (*values, {n: g / ring.size for n, g in grads.items()}, outputs)
+    (c_logps, c_entropy, c_hits, c_grads, c_outputs), whole = runs["chunked"], runs["whole"]
+    diffs = lambda a, b: max((a[n] - b[n]).abs().max().item() for n in a)  # noqa: E731
+    return {
+        "logps_vs_whole": (c_logps - whole[0]).abs().max().item(),
+        "logps_vs_one": (c_logps - one[0]).abs().max().item(),
+        "entropy_vs_whole": (c_entropy - whole[1]).abs().max().item(),
+        "entropy_vs_one": (c_entropy - one[1])[inside].abs().max().item(),
+        "hits_equal": bool(torch.equal(c_hits, whole[2]) and torch.equal(c_hits, one[2])), "hits": int(c_hits.sum()),
+        "grads_vs_whole": diffs(c_grads, whole[3]), "grads_vs_one": diffs(c_grads, one[3]),
+        "head_grad": c_grads["lm_head.weight"].abs().max().item(),
+        "no_logits_made": c_outputs._outputs.logits.shape[1] == 0,
+        "slice_logits": (c_outputs.logits - whole[4].logits).abs().max().item(),
+    }
+
+
+def zero3_head_check(path, chunk=16):
+    """token_logps with the chunked LM head (chunks of 16) against whole logits under DeepSpeed ZeRO-3 (the head
+    weight partitioned over both ranks), each rank on its own packed row (40 and 66 predictions: 3 and 5 chunks,
+    the ranks must still gather the head as often), some tokens the argmax: log-probs, entropy, argmax hits and
+    every full gradient (deepspeed.utils.safe_get_full_grad) of a loss using them, as max absolute differences
+    over both ranks."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    from common.packing import unwrap
+    from common.kernels.chunked_head import head_chunk_tokens, uses_head_module
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    lengths = [7, 20, 14] if rank == 0 else [9, 30, 12, 16]
+    samples = [{"input_ids": torch.randint(3, 250, (n,), generator=g).tolist(), "loss_mask": [0] * 3 + [1] * (n - 3)}
+               for n in lengths]
+    batch = plant_hits(path, collate(samples, 0, packing=True, one_row=True))
+    weights = torch.linspace(0.5, 1.5, batch["input_ids"].shape[1])
+    runs = {}
+    for chunk_tokens in (0, chunk):
+        train = TrainArgs(train_batch_size=world, micro_train_batch_size=1, zero_stage=3, max_norm=0.0,
+                          param_dtype="fp32")
+        ds_config = deepspeed_config(train, world)
+        model = load_causal_lm(ModelArgs(pretrain=path, logps_chunk_tokens=chunk_tokens), ds_config)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                          config=ds_config)
+        head = unwrap(engine).lm_head
+        assert head_chunk_tokens(engine) == chunk_tokens and uses_head_module(head) and head.weight.numel() == 0
+        logps, outputs, hits = token_logps(engine, batch, return_argmax=True, return_entropy=True)
+        mask = batch["loss_mask"]
+        engine.backward(-((logps * weights + 0.1 * outputs.entropy) * mask).sum() / mask.sum())
+        grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+        runs[chunk_tokens] = (logps.detach(), outputs.entropy.detach(), hits, grads)
+    (logps, entropy, hits, grads), (c_logps, c_entropy, c_hits, c_grads) = runs[0], runs[chunk]
+    head_name = "lm_head.weight" if "lm_head.weight" in grads else "model.embed_tokens.weight"  # tied: one name
+    out = torch.tensor([(c_logps - logps).abs().max(), (c_entropy - entropy).abs().max(),
+                        max((c_grads[n] - grads[n]).abs().max() for n in grads), float(not torch.equal(c_hits, hits))])
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return {"logps": out[0].item(), "entropy": out[1].item(), "grads": out[2].item(), "hits_differ": out[3].item(),
+            "head_grad": grads[head_name].abs().max().item(), "tied": head_name != "lm_head.weight",
+            "hits": int(hits.sum()), "same_grad_names": c_grads.keys() == grads.keys()}
+
+
 def count_kernel_calls(_count=[0]):
     """Varlen kernel calls so far (ring-flash-attn's llama3 module calls it once per group of --ring_head_stride
     KV heads per layer): the first call puts a counter around the function that module imported."""
@@ -116,12 +217,14 @@ def model_checks(paths):
             for total in (24, 25):
                 out[f"{arch}/stride{stride}/T{total}"] = compare_model(path, ring, total)
         out[f"{arch}/no_kv_exchange"] = compare_model(path, ring, 24, exchange=False)
+        out[f"{arch}/chunked_head"] = chunked_ring_check(path, ring)
     return out
 
 
 def step_checks(path):
-    """One SGD step (lr 1, no clipping) with sft.py's loss normalisation: ring of 2 under ZeRO-2 / ZeRO-3
-    against plain torch on one process; max parameter difference and the largest parameter change."""
+    """One SGD step (lr 1, no clipping) with sft.py's loss normalisation: ring of 2 under ZeRO-2 / ZeRO-3 (the
+    chunked LM head, chunks of 5) against plain torch on one process with whole logits; max parameter difference
+    and the largest parameter change."""
     import deepspeed
 
     from common.infra.engine import gathered_state_dict
@@ -137,8 +240,8 @@ def step_checks(path):
     world, out = dist.get_world_size(), {}
     for stage in (2, 3):
         train = TrainArgs(train_batch_size=1, micro_train_batch_size=1, zero_stage=stage, max_norm=0.0)
-        ds_config = ring_deepspeed_config(train, world, ring)
-        model = load_causal_lm(ModelArgs(pretrain=path, attn_implementation=NAME), ds_config)
+        ds_config = deepspeed_config(train, world, ring_size=ring.size)
+        model = load_causal_lm(ModelArgs(pretrain=path, attn_implementation=NAME, logps_chunk_tokens=5), ds_config)
         check_ring_model(model, ring)
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
@@ -161,10 +264,13 @@ def step_checks(path):
 
 if __name__ == "__main__":
     mode, out_file, *paths = sys.argv[1:]
+    head_paths = paths[paths.index("--zero3_head") + 1:] if "--zero3_head" in paths else []
+    paths = paths[: len(paths) - len(head_paths) - bool(head_paths)]
     init_distributed()
     torch.manual_seed(0)
     result = {**(model_checks(paths) if mode in ("model", "all") else {}),
-              **(step_checks(paths[-1]) if mode in ("step", "all") else {})}
+              **(step_checks(paths[-1]) if mode in ("step", "all") else {}),
+              **{f"zero3_head/{os.path.basename(p)}": zero3_head_check(p) for p in head_paths}}
     result["flash_attn_imported"] = "flash_attn" in sys.modules
     if dist.get_rank() == 0:
         with open(out_file, "w") as f:
