@@ -14,6 +14,37 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+STALE_BUILD_LOCK_S = 300  # a JIT build of DeepSpeed's ops (shm comm, CPU Adam) takes ~1 min on 2 busy cores
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stale_build_locks_removed():
+    """torch's JIT loader takes a lock file in the op's build directory on every load (even of a built op) and
+    waits, without a bound, while one exists; a test process killed inside that window (the failure tests kill
+    ranks and actors on purpose) leaves it, and every later DeepSpeed start on this venv would wait forever. A
+    daemon thread removes lock files under TORCH_EXTENSIONS_DIR older than any build takes."""
+    import threading
+    import time
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    stop = threading.Event()
+
+    def sweep():
+        while not stop.wait(30):
+            for lock in glob.glob(os.path.join(root, "*", "lock")):
+                try:
+                    if time.time() - os.path.getmtime(lock) > STALE_BUILD_LOCK_S:
+                        os.remove(lock)
+                        print(f"removed a stale build lock {lock}", file=sys.stderr)
+                except OSError:
+                    pass
+
+    if root:
+        threading.Thread(target=sweep, daemon=True).start()
+    yield
+    stop.set()
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
     """Tiny models (llama-0.5m, qwen2-0.5m) and synthetic data, built deterministically offline."""

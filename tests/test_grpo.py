@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from common.packing import token_logps
+from common.rollout import ActorTrainArgs
 from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script
 
 grpo = load_algo("grpo")
@@ -201,10 +202,10 @@ def test_skipped_old_logprob_pass_equals_the_plain_path(assets):
     old log-probs from that forward (same weights): loss, gradients and the vLLM check (1e-6)."""
     from transformers import AutoModelForCausalLM
 
-    base = grpo.Args(rollout_batch_size=4, n_samples_per_prompt=4, train=grpo.ActorTrainArgs(train_batch_size=16))
+    base = grpo.Args(rollout_batch_size=4, n_samples_per_prompt=4, train=ActorTrainArgs(train_batch_size=16))
     assert grpo.single_update(base)
-    assert not grpo.single_update(dataclasses.replace(base, train=grpo.ActorTrainArgs(train_batch_size=8)))
-    two_epochs = grpo.ActorTrainArgs(train_batch_size=16, max_epochs=2)
+    assert not grpo.single_update(dataclasses.replace(base, train=ActorTrainArgs(train_batch_size=8)))
+    two_epochs = ActorTrainArgs(train_batch_size=16, max_epochs=2)
     assert not grpo.single_update(dataclasses.replace(base, train=two_epochs))
     assert not grpo.single_update(dataclasses.replace(base, init_kl_coef=0.1))  # the KL in the reward needs them
     assert grpo.single_update(dataclasses.replace(base, init_kl_coef=0.1, use_kl_loss=True))

@@ -175,10 +175,16 @@ def head_chunk_tokens(model):
     """Tokens per chunk of the LM head for `model` (bare, in a DeepSpeed engine and / or a peft wrapper): the
     `logps_chunk_tokens` attribute common.infra.engine.load_causal_lm sets from --logps_chunk_tokens, or 0 (whole
     logits) where it is unset or the model type is outside CHUNKED_HEAD_MODEL_TYPES. Any head module applies
-    (plain, tied, LoRA or modules_to_save on lm_head, ZeRO-3 partitioned): see uses_head_module."""
+    (plain, tied, LoRA or modules_to_save on lm_head, ZeRO-3 partitioned): see uses_head_module. Except, where
+    gradients flow, a frozen head that ZeRO-3 partitions (LoRA on the layers below it): checkpoint's recompute
+    of the head module then sees the partitioned weight, not the gathered one, and refuses."""
     hf = hf_model(model)
     chunk = getattr(hf, "logps_chunk_tokens", 0)
     if not chunk or getattr(hf.config, "model_type", None) not in CHUNKED_HEAD_MODEL_TYPES:
+        return 0
+    head = getattr(hf, "lm_head", None)
+    if torch.is_grad_enabled() and head is not None and any(
+            hasattr(p, "ds_id") and not p.requires_grad for p in head.parameters()):
         return 0
     return chunk
 
