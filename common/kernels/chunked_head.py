@@ -122,6 +122,23 @@ def chunked_head(hidden, weight, targets, chunk_tokens, bias=None, with_entropy=
         hidden, weight, bias, targets, int(chunk_tokens), bool(with_entropy), bool(with_argmax),
         compute_dtype or weight.dtype,
     )
+    return requested(logp, lse, entropy, hit, with_entropy, with_argmax)
+
+
+def agreed_chunks(tokens, chunk_tokens, head, device):
+    """Chunks of at most `chunk_tokens` for `tokens` tokens; under ZeRO-3 (a partitioned `head`) the largest count
+    any rank needs, since every head call gathers its weight collectively (a rank with fewer tokens takes smaller
+    chunks)."""
+    chunks = max(1, -(-tokens // int(chunk_tokens)))
+    if dist.is_initialized() and any(hasattr(p, "ds_id") for p in head.parameters()):
+        count = torch.tensor(chunks, device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        chunks = int(count)
+    return chunks
+
+
+def requested(logp, lse, entropy, hit, with_entropy, with_argmax):
+    """The outputs dict of chunked_head: logp and lse, plus entropy and hit where asked."""
     out = {"logp": logp, "lse": lse}
     if with_entropy:
         out["entropy"] = entropy
@@ -150,20 +167,11 @@ def module_chunked_head(head, hidden, targets, chunk_tokens, with_entropy=False,
     recomputes them one chunk at a time, the module's hooks running both times. Under ZeRO-3 every call gathers
     the head weight collectively, so the ranks agree on the number of chunks (the largest any rank needs; a rank
     with fewer tokens takes smaller chunks)."""
-    chunks = max(1, -(-hidden.shape[0] // int(chunk_tokens)))
-    if dist.is_initialized() and any(hasattr(p, "ds_id") for p in head.parameters()):
-        count = torch.tensor(chunks, device=hidden.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        chunks = int(count)
+    chunks = agreed_chunks(hidden.shape[0], chunk_tokens, head, hidden.device)
     parts = [checkpoint(_head_chunk, head, h, t, with_entropy, with_argmax, autocast_dtype, use_reentrant=False)
              for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks))]
     logp, lse, entropy, hit = (torch.cat(values) for values in zip(*parts))
-    out = {"logp": logp, "lse": lse}
-    if with_entropy:
-        out["entropy"] = entropy
-    if with_argmax:
-        out["hit"] = hit
-    return out
+    return requested(logp, lse, entropy, hit, with_entropy, with_argmax)
 
 
 # Causal LMs whose logits are exactly `lm_head(final hidden states)` (no scaling or soft-capping) and whose
@@ -338,11 +346,7 @@ def map_logit_chunks(logits, fn):
     if torch.is_tensor(logits):
         return tuple(fn(logits, 0, len(logits)))
     n = len(logits)
-    chunks = max(1, -(-n // logits.chunk_tokens))
-    if dist.is_initialized() and any(hasattr(p, "ds_id") for p in logits.head.parameters()):
-        count = torch.tensor(chunks, device=logits.hidden.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        chunks = int(count)
+    chunks = agreed_chunks(n, logits.chunk_tokens, logits.head, logits.hidden.device)
     grads = torch.is_grad_enabled() and not logits.frozen and (
         logits.hidden.requires_grad or any(p.requires_grad for p in logits.head.parameters()))
     parts, e = [], 0
