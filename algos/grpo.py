@@ -126,7 +126,8 @@ def parse_args(argv=None):
                          f"set --n_samples_per_prompt >= 2 (or use --advantage_estimator reinforce)")
     validate_rollout_args(args, world, "grpo.py")
     check_loss_flags(args)  # beside the loss terms they configure
-    return resolve_rollout_args(args)  # derived settings; the reward and environment files load here
+    copies = 4 * world + (world if args.init_kl_coef > 0 else 0)  # fp32 weight copies: trainers, reference
+    return resolve_rollout_args(args, world, copies)  # derived settings; the reward and environment files load here
 
 
 # ----------------------------------------------------------------------------------------------

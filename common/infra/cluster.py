@@ -23,8 +23,12 @@ from common.infra.vllm_engine import resolve_max_model_len
 
 @dataclass
 class ClusterArgs:
-    vllm_num_engines: int = 1
-    """vLLM engines (each --vllm_tensor_parallel_size devices; on CPU one engine's decode loop uses one core)."""
+    vllm_num_engines: Optional[int] = None
+    """vLLM engines (each --vllm_tensor_parallel_size devices). Default: with --colocate_all_models one per
+    trainer device; else 1 on CUDA; on CPU one per core (an engine's decode loop keeps one core busy, and the
+    trainers wait while the engines generate; with --async_train the cores beside the trainer ranks), at most one
+    per rollout prompt and as many as the memory available at start holds beside the trainers
+    (default_num_engines)."""
     colocate_all_models: bool = False
     """Put every model of the run (trainers, reference, critic, vLLM engines, reward models) on the (actor)
     trainers' devices, one placement-group bundle each."""
@@ -74,7 +78,13 @@ def validate_rollout_args(args, world, script):
                             if args.agent.agent_func_path else ""))
     if args.overlong_buffer_len >= args.generate_max_len:
         raise ValueError(f"--overlong_buffer_len {args.overlong_buffer_len} must be < --generate_max_len")
-    if args.cluster.colocate_all_models and args.cluster.vllm_num_engines * args.engine.tp_size != world:
+    engines = args.cluster.vllm_num_engines
+    if engines is not None and engines < 1:
+        raise ValueError(f"--vllm_num_engines must be >= 1, got {engines}")
+    if args.cluster.colocate_all_models and world % args.engine.tp_size:
+        raise ValueError(f"--colocate_all_models puts one engine device on each trainer device: {world} trainer "
+                         f"ranks are not a multiple of --vllm_tensor_parallel_size {args.engine.tp_size}")
+    if args.cluster.colocate_all_models and engines is not None and engines * args.engine.tp_size != world:
         raise ValueError(f"--colocate_all_models puts one engine device on each trainer device: --vllm_num_engines "
                          f"x --vllm_tensor_parallel_size must equal {world} trainer ranks")
     if args.cluster.vllm_enable_sleep and not args.cluster.colocate_all_models:
@@ -97,11 +107,12 @@ def model_len_needed(args):
     return max(args.prompt_max_len + args.generate_max_len, episode)
 
 
-def resolve_rollout_args(args):
+def resolve_rollout_args(args, world, trainer_copies):
     """The one step after validate_rollout_args that reads files and fills derived settings: the --remote_rm_url
     reward file and the --agent_func_path environment are loaded (a missing file or function fails now, not after
-    the models load), --max_episode_tokens and --max_model_len are filled (the latter from the model's config), and
-    --temperature != 1 is warned about. Returns a copy of args with those filled."""
+    the models load), --max_episode_tokens, --max_model_len (from the model's config) and --vllm_num_engines
+    (default_num_engines) are filled, and --temperature != 1 is warned about. Returns a
+    copy of args with those filled."""
     if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
         from common.infra.remote_reward import load_reward_func
 
@@ -115,7 +126,42 @@ def resolve_rollout_args(args):
     if args.temperature != 1:
         print(f"warning: --temperature {args.temperature}: the update reads the untempered policy's log-probs, so it "
               "trains on samples of another distribution, uncorrected", file=sys.stderr)
-    return replace(args, agent=agent, engine=engine)
+    args = replace(args, agent=agent, engine=engine)
+    if args.cluster.vllm_num_engines is None:
+        args = replace(args, cluster=replace(args.cluster, vllm_num_engines=default_num_engines(args, world, trainer_copies)))
+    return args
+
+
+def default_num_engines(args, world, trainer_copies):
+    """--vllm_num_engines unset (after resolve_max_model_len): one engine per trainer device with
+    --colocate_all_models, 1 on CUDA, and on CPU one per core the engines may take (all of them, as the trainers
+    wait while the engines generate; those beside the `world` trainer ranks with --async_train), at most one per
+    rollout prompt, and no more than the memory available now holds once the trainers have their
+    `trainer_copies` fp32 copies of the weights (4 per training rank: weights, gradients, two AdamW moments; 1 per
+    frozen replica), each engine holding its weights and its KV cache (vllm_engine.kv_cache_bytes)."""
+    from common.infra.vllm_engine import kv_cache_bytes, weight_bytes
+
+    if args.cluster.colocate_all_models:
+        return world // args.engine.tp_size
+    if torch.cuda.is_available():
+        return 1
+    cores = len(os.sched_getaffinity(0)) - (world if args.async_rollout.async_train else 0)
+    bf16 = uses_bf16(args.train)  # on CPU the trainers keep fp32 weights either way
+    bf16_weights = weight_bytes(args.model.pretrain)
+    per_engine = math.ceil(args.rollout_batch_size / max(1, cores)) * args.n_samples_per_prompt
+    engine = bf16_weights * (1 if bf16 else 2) + kv_cache_bytes(
+        args.model.pretrain, args.engine.max_model_len, per_engine, dtype_bytes=2 if bf16 else 4)
+    fits = (available_memory() - 2 * bf16_weights * trainer_copies) // engine
+    return int(max(1, min(cores, args.rollout_batch_size, fits)))
+
+
+def available_memory():
+    """Bytes of memory this machine can give without swapping (Linux MemAvailable; else the free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def load_prompts(spec, split, args, tokenizer, max_samples):

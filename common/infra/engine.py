@@ -82,8 +82,9 @@ class TrainArgs:
     """AdamW betas."""
     max_norm: float = 1.0
     """Gradient clipping norm (0: off)."""
-    zero_stage: int = 2
-    """DeepSpeed ZeRO stage: 0, 1, 2 or 3."""
+    zero_stage: Optional[int] = None
+    """DeepSpeed ZeRO stage: 0, 1, 2 or 3 (default: 0 in a world of one rank, where ZeRO would partition nothing
+    and only add its gradient copies; 2 in a larger world)."""
     adam_offload: bool = False
     """Keep optimizer states on the CPU (DeepSpeedCPUAdam)."""
     param_offload: bool = False
@@ -154,7 +155,7 @@ def cli_flags(cls, path):
 
 def validate_common_args(model: ModelArgs, train: TrainArgs, ckpt: CkptArgs, world_size: int):
     """Argument checks that need no model: raise ValueError naming the flag."""
-    if train.zero_stage not in (0, 1, 2, 3):
+    if train.zero_stage not in (None, 0, 1, 2, 3):
         raise ValueError(f"--zero_stage must be 0, 1, 2 or 3, got {train.zero_stage}")
     if train.param_offload and train.zero_stage != 3:
         raise ValueError("--param_offload needs --zero_stage 3")
@@ -353,13 +354,21 @@ def precision_config(train: TrainArgs):
     return {"bf16": {"enabled": bf16 and cuda}, **autocast}
 
 
+def zero_stage(train: TrainArgs, world_size):
+    """--zero_stage, resolved for `world_size` trainer ranks (every rank of a ring counts): 0 in a world of one,
+    2 in a larger one, unless set."""
+    if train.zero_stage is not None:
+        return train.zero_stage
+    return 0 if world_size == 1 else 2
+
+
 def deepspeed_config(train: TrainArgs, world_size, ring_size=1):
     """DeepSpeed training config: --param_dtype's precision, batch sizes checked against the world. DeepSpeed counts
     every rank of an attention ring (common.ring_attention) as data-parallel, so it gets --train_batch_size x
     ring_size, and the accumulation steps come from the data-parallel size."""
     train = replace(train, train_batch_size=train.train_batch_size * ring_size)
-    zero = {"stage": train.zero_stage, "stage3_gather_16bit_weights_on_model_save": True}
-    if train.zero_stage == 3:
+    zero = {"stage": zero_stage(train, world_size), "stage3_gather_16bit_weights_on_model_save": True}
+    if zero["stage"] == 3:
         zero.update(stage3_param_persistence_threshold=1e4, stage3_prefetch_bucket_size=5e7)
     if train.adam_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
@@ -383,7 +392,7 @@ def deepspeed_config(train: TrainArgs, world_size, ring_size=1):
 def deepspeed_eval_config(train: TrainArgs, world_size, offload=False):
     """Config for a frozen model (reference, teacher, reward model): ZeRO-3 partitioned when the
     trainer uses ZeRO-3, else a plain replica; parameters on the CPU with `offload` (ZeRO-3)."""
-    stage = 3 if train.zero_stage == 3 or offload else 0
+    stage = 3 if zero_stage(train, world_size) == 3 or offload else 0
     zero = {"stage": stage}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=1e4, stage3_prefetch_bucket_size=5e7)
@@ -479,7 +488,8 @@ def create_train_engine(model, train: TrainArgs, ds_config, num_training_steps, 
     groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     opt_kwargs = dict(lr=train.learning_rate, betas=train.adam_betas, eps=1e-8)
-    kind = optimizer_kind(torch.cuda.is_available(), train.adam_offload, train.zero_stage, offload_states)
+    stage = ds_config["zero_optimization"]["stage"]
+    kind = optimizer_kind(torch.cuda.is_available(), train.adam_offload, stage, offload_states)
     if kind == "cpu_adam":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -499,7 +509,7 @@ def create_train_engine(model, train: TrainArgs, ds_config, num_training_steps, 
     # norm it computes for the log anyway (one foreach pass), instead of DeepSpeed computing it again tensor by
     # tensor (~6 ms of a DPO step of the 8.5M Llama)
     wrapped = ds_config.get("bf16", {}).get("enabled") or ds_config.get("fp16", {}).get("enabled")
-    plain_zero0 = ds_config["zero_optimization"]["stage"] == 0 and not wrapped
+    plain_zero0 = stage == 0 and not wrapped
     if plain_zero0:
         ds_config = {**ds_config, "gradient_clipping": 0.0}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
