@@ -49,8 +49,8 @@ from common.infra.cluster import (  # noqa: E402
 )
 from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, accumulation_steps, all_reduce_sum, backward_scale, device, frozen_engine,
-    load_checkpoint, optimizer_step, parse_cli, run, save_checkpoint, save_hf_model, script_ckpt_args, setup,
+    CkptArgs, ModelArgs, accumulation_steps, all_reduce_sum, backward_step, device, frozen_engine,
+    load_checkpoint, parse_cli, run, save_checkpoint, save_hf_model, script_ckpt_args, setup,
     train_engine, validate_common_args, zero_stage,
 )
 from common.packing import collate, to_device, unpack, unwrap  # noqa: E402
@@ -359,10 +359,9 @@ def ptx_loss(model, batch, ring=None):
     return -(logps * batch["loss_mask"]).sum() / batch["loss_mask"].sum().clamp(min=1)
 
 
-def micro_batch_loss(model, batch, args, normaliser, scale=1.0, ring=None, ptx_batch=None):
-    """The actor's loss of one collated micro-batch, divided by the step's normaliser (times `scale`, which
-    undoes DeepSpeed's averaging), plus --ptx_coef x the LM loss of `ptx_batch` (DeepSpeed's averaging makes
-    that the mean over the step's micro-batches); returns (loss, metric sums)."""
+def micro_batch_loss(model, batch, args, ring=None, ptx_batch=None):
+    """The actor's loss of one collated micro-batch, summed as the step's normaliser expects (see aggregate), and
+    the LM loss of `ptx_batch` (None without one); returns (loss sum, LM loss, metric sums)."""
     logps, outputs = ring_token_logps(model, batch, ring, return_entropy=True)
     mask = batch["loss_mask"]
     old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
@@ -385,12 +384,7 @@ def micro_batch_loss(model, batch, args, normaliser, scale=1.0, ring=None, ptx_b
     pieces["clip_ratio"] = agg(clipped)
     metrics = {k: v.item() for k, v in pieces.items()}
     metrics["vllm_logp_max_abs_diff"] = ((old_logps - batch["vllm_logps"]).abs() * mask).max().item()
-    total = total * scale / normaliser
-    if ptx_batch is not None:
-        lm = ptx_loss(model, ptx_batch, ring)
-        metrics["ptx_loss"] = lm.item() * normaliser / ptx_batch["num_micro"]  # summed / normaliser: the step's mean
-        total = total + args.ptx_coef * lm
-    return total, metrics
+    return total, ptx_loss(model, ptx_batch, ring) if ptx_batch is not None else None, metrics
 
 
 def token_values(model, batch, value_head_prefix="score", ring=None):
@@ -536,9 +530,11 @@ class GroupMember:
             step_metrics = {}
             for batch, ptx_b in zip(batches, ptx):
                 extra = {"ptx_batch": ptx_b} if ptx_b is not None else {}
-                loss, metrics = loss_fn(engine, batch, args, normaliser, backward_scale(engine), self.ring, **extra)
-                engine.backward(loss)
-                grad_norm = optimizer_step(engine)
+                loss_sum, lm, metrics = loss_fn(engine, batch, args, self.ring, **extra)
+                # PPO-ptx: DeepSpeed's averaging makes --ptx_coef x the LM loss the mean over the step's micro-batches
+                grad_norm = backward_step(engine, loss_sum, normaliser, args.ptx_coef * lm if lm is not None else 0.0)
+                if lm is not None:
+                    step_metrics["ptx_loss"] = step_metrics.get("ptx_loss", 0.0) + lm.item() / ptx_b["num_micro"]
                 vllm_diff = max(vllm_diff, metrics.pop("vllm_logp_max_abs_diff", 0.0))
                 for name, v in metrics.items():
                     step_metrics[name] = step_metrics.get(name, 0.0) + v / normaliser

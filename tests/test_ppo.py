@@ -366,18 +366,19 @@ def test_ptx_loss_mixed_into_the_actor_step(assets):
     batch = ppo.make_batch(samples, 0, 64, False, ["advantages", "old_logps", "vllm_logps"])
     pb = dict(ppo.collate(steps[0][0], 0, max_tokens=64), num_micro=1)  # as PolicyTrainer.train_steps builds it
 
-    def step(args, ptx):
+    def step(args, ptx):  # the step's loss as backward_step makes it: the sum / 20 + coef x the LM loss
         model.zero_grad()
-        loss, metrics = ppo.micro_batch_loss(model, batch, args, 20.0, **({"ptx_batch": ptx} if ptx else {}))
+        loss_sum, lm, _ = ppo.micro_batch_loss(model, batch, args, **({"ptx_batch": ptx} if ptx else {}))
+        loss = loss_sum / 20.0 + (args.ptx_coef * lm if lm is not None else 0.0)
         loss.backward()
-        return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()]), metrics
+        return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()]), lm
 
-    plain_loss, plain_grad, _ = step(base, None)
-    zero_loss, zero_grad, zero_metrics = step(dataclasses.replace(base, ptx_coef=0.0), pb)
-    assert zero_loss == plain_loss and torch.equal(zero_grad, plain_grad)
+    plain_loss, plain_grad, no_lm = step(base, None)
+    zero_loss, zero_grad, zero_lm = step(dataclasses.replace(base, ptx_coef=0.0), pb)
+    assert no_lm is None and zero_loss == plain_loss and torch.equal(zero_grad, plain_grad)
     with torch.no_grad():
         lm = ppo.ptx_loss(model, pb).item()
-    assert zero_metrics["ptx_loss"] == pytest.approx(lm * 20.0, rel=1e-5) and lm > 1.0  # summed as metrics are
+    assert zero_lm.item() == pytest.approx(lm, rel=1e-6) and lm > 1.0
     mixed_loss, mixed_grad, _ = step(dataclasses.replace(base, ptx_coef=0.5), pb)
     assert mixed_loss == pytest.approx(plain_loss + 0.5 * lm, abs=1e-5)
     assert (mixed_grad - plain_grad).abs().max().item() > 1e-4

@@ -128,7 +128,8 @@ def resolve_rollout_args(args, world, trainer_copies):
               "trains on samples of another distribution, uncorrected", file=sys.stderr)
     args = replace(args, agent=agent, engine=engine)
     if args.cluster.vllm_num_engines is None:
-        args = replace(args, cluster=replace(args.cluster, vllm_num_engines=default_num_engines(args, world, trainer_copies)))
+        engines = default_num_engines(args, world, trainer_copies)
+        args = replace(args, cluster=replace(args.cluster, vllm_num_engines=engines))
     return args
 
 
