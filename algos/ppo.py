@@ -406,14 +406,15 @@ def token_values(model, batch, value_head_prefix="score", ring=None):
     return out.masked_fill(batch["position_ids"] == 0, 0.0)
 
 
-def critic_micro_batch_loss(model, batch, args, normaliser, scale=1.0, ring=None):
-    """The critic's clipped value loss of one micro-batch, divided by the step's normaliser."""
+def critic_micro_batch_loss(model, batch, args, ring=None):
+    """The critic's clipped value loss of one micro-batch, summed as the step's normaliser expects; returns (loss
+    sum, None, metric sums), as micro_batch_loss does without PPO-ptx rows."""
     values = token_values(model, batch, args.value_head_prefix, ring)
     mask = batch["loss_mask"]
     per_token, clipped = value_loss(values, batch["values"], batch["returns"], args.value_clip)
     loss = aggregate(per_token, mask, batch["sample_index"], batch["num_samples"], args.loss_agg)
     clip_ratio = aggregate(clipped, mask, batch["sample_index"], batch["num_samples"], args.loss_agg)
-    return loss * scale / normaliser, {"value_loss": loss.item(), "value_clip_ratio": clip_ratio.item()}
+    return loss, None, {"value_loss": loss.item(), "value_clip_ratio": clip_ratio.item()}
 
 
 def load_ptx(args: Args, tokenizer):
