@@ -441,6 +441,46 @@ def test_bad_input(assets, rl_start_model, tmp_path):
     assert "sample" in proc.stderr
 
 
+def test_defaults_resolve_to_the_best_mode_on_one_box(assets):
+    """--zero_stage unset: ZeRO-0 in a world of one rank, 2 in a larger one. --vllm_num_engines unset: on CPU one
+    engine per core, at most one per prompt and as many as the memory holds beside the trainers; with
+    --async_train the cores beside the trainer ranks; with --colocate_all_models one per trainer device."""
+    import dataclasses
+    import math
+
+    from common.infra.cluster import default_num_engines
+    from common.infra.engine import TrainArgs, deepspeed_config, zero_stage
+    from common.infra.vllm_engine import kv_cache_bytes, weight_bytes
+
+    assert [zero_stage(TrainArgs(), n) for n in (1, 2, 8)] == [0, 2, 2] and zero_stage(TrainArgs(zero_stage=3), 1) == 3
+    assert deepspeed_config(TrainArgs(train_batch_size=8, micro_train_batch_size=8), 1)["zero_optimization"] == {
+        "stage": 0, "stage3_gather_16bit_weights_on_model_save": True}
+    model = f"{assets}/llama-0.5m"
+    required = ["--pretrain", model, "--prompt_data", "d.jsonl", "--remote_rm_url", REWARD, "--prompt_max_len", "48",
+                "--generate_max_len", "16", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2",
+                "--train_batch_size", "8", "--micro_rollout_batch_size", "8", "--micro_train_batch_size", "8"]
+    args = grpo.parse_args(required)
+    assert args.cluster.vllm_num_engines == min(len(os.sched_getaffinity(0)), 4)  # a 0.5M model: memory never binds
+    assert grpo.parse_args([*required, "--vllm_num_engines", "3"]).cluster.vllm_num_engines == 3
+    with pytest.raises(ValueError, match="--vllm_num_engines must be >= 1, got 0"):
+        grpo.parse_args([*required, "--vllm_num_engines", "0"])
+    trainers = 2 * weight_bytes(model) * 4  # one rank's fp32 weights, gradients and AdamW moments
+
+    def engine(cores):  # fp32 weights and the KV cache of its share of the 4 prompts x 2 samples, 64 tokens each
+        return 2 * weight_bytes(model) + kv_cache_bytes(model, 64, math.ceil(4 / cores) * 2)
+
+    plenty = 2**40
+    assert default_num_engines(args, 1, 4, 2, plenty) == 2  # one per core
+    assert default_num_engines(args, 1, 4, 16, plenty) == 4  # one per prompt
+    assert default_num_engines(args, 1, 4, 8, trainers + 3 * engine(8) + 1) == 3  # as many as the memory holds
+    assert default_num_engines(args, 1, 4, 8, trainers + 3 * engine(8) - 1) == 2
+    assert default_num_engines(args, 1, 4, 8, 0) == 1
+    overlapped = dataclasses.replace(args, async_rollout=dataclasses.replace(args.async_rollout, async_train=True))
+    assert default_num_engines(overlapped, 1, 4, 4, plenty) == 3  # the trainer rank keeps its core
+    colocated = dataclasses.replace(args, cluster=dataclasses.replace(args.cluster, colocate_all_models=True))
+    assert default_num_engines(colocated, 2, 8, 16, plenty) == 2
+
+
 def test_argument_errors_and_reference_options(assets, capsys):
     required = ["--pretrain", f"{assets}/llama-0.5m", "--prompt_data", "d.jsonl", "--remote_rm_url", REWARD,
                 "--prompt_max_len", "48", "--generate_max_len", "16"]

@@ -128,31 +128,31 @@ def resolve_rollout_args(args, world, trainer_copies):
               "trains on samples of another distribution, uncorrected", file=sys.stderr)
     args = replace(args, agent=agent, engine=engine)
     if args.cluster.vllm_num_engines is None:
-        engines = default_num_engines(args, world, trainer_copies)
+        engines = default_num_engines(args, world, trainer_copies, len(os.sched_getaffinity(0)), available_memory())
         args = replace(args, cluster=replace(args.cluster, vllm_num_engines=engines))
     return args
 
 
-def default_num_engines(args, world, trainer_copies):
+def default_num_engines(args, world, trainer_copies, cores, memory):
     """--vllm_num_engines unset (after resolve_max_model_len): one engine per trainer device with
-    --colocate_all_models, 1 on CUDA, and on CPU one per core the engines may take (all of them, as the trainers
-    wait while the engines generate; those beside the `world` trainer ranks with --async_train), at most one per
-    rollout prompt, and no more than the memory available now holds once the trainers have their
-    `trainer_copies` fp32 copies of the weights (4 per training rank: weights, gradients, two AdamW moments; 1 per
-    frozen replica), each engine holding its weights and its KV cache (vllm_engine.kv_cache_bytes)."""
+    --colocate_all_models, 1 on CUDA, and on CPU one per core the engines may take of `cores` (all of them, as the
+    trainers wait while the engines generate; those beside the `world` trainer ranks with --async_train), at most
+    one per rollout prompt, and no more than `memory` bytes hold once the trainers have their `trainer_copies` fp32
+    copies of the weights (4 per training rank: weights, gradients, two AdamW moments; 1 per frozen replica), each
+    engine holding its weights and its KV cache (vllm_engine.kv_cache_bytes)."""
     from common.infra.vllm_engine import kv_cache_bytes, weight_bytes
 
     if args.cluster.colocate_all_models:
         return world // args.engine.tp_size
     if torch.cuda.is_available():
         return 1
-    cores = len(os.sched_getaffinity(0)) - (world if args.async_rollout.async_train else 0)
+    cores = cores - (world if args.async_rollout.async_train else 0)
     bf16 = uses_bf16(args.train)  # on CPU the trainers keep fp32 weights either way
     bf16_weights = weight_bytes(args.model.pretrain)
     per_engine = math.ceil(args.rollout_batch_size / max(1, cores)) * args.n_samples_per_prompt
     engine = bf16_weights * (1 if bf16 else 2) + kv_cache_bytes(
         args.model.pretrain, args.engine.max_model_len, per_engine, dtype_bytes=2 if bf16 else 4)
-    fits = (available_memory() - 2 * bf16_weights * trainer_copies) // engine
+    fits = (memory - 2 * bf16_weights * trainer_copies) // engine
     return int(max(1, min(cores, args.rollout_batch_size, fits)))
 
 
