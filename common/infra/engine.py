@@ -530,14 +530,9 @@ def backward_step(engine, loss_sum, normaliser, averaged=0.0):
     micro-batch's loss by the accumulation steps and averages gradients over ranks: this is the one place that
     undoes both. `averaged`: a term DeepSpeed's averaging already makes right (a mean per micro-batch, such as a
     MoE router loss)."""
-    engine.backward(loss_sum * backward_scale(engine) / normaliser + averaged)
+    scale = engine.gradient_accumulation_steps() * (dist.get_world_size() if dist.is_initialized() else 1)
+    engine.backward(loss_sum * scale / normaliser + averaged)
     return optimizer_step(engine)
-
-
-def backward_scale(engine):
-    """What a loss must be multiplied by so that DeepSpeed's division by the accumulation steps and its average
-    over ranks leave the plain sum (backward_step uses it; a loss function that scales its own terms may too)."""
-    return engine.gradient_accumulation_steps() * (dist.get_world_size() if dist.is_initialized() else 1)
 
 
 def optimizer_step(engine):
