@@ -51,7 +51,7 @@ from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
 from common.infra.engine import (  # noqa: E402
     CkptArgs, ModelArgs, accumulation_steps, all_reduce_sum, backward_step, device, frozen_engine,
     load_checkpoint, parse_cli, run, save_checkpoint, save_hf_model, script_ckpt_args, setup,
-    train_engine, validate_common_args, zero_stage,
+    train_engine, validate_common_args,
 )
 from common.packing import collate, to_device, unpack, unwrap  # noqa: E402
 from common.ring_attention import (  # noqa: E402
@@ -167,10 +167,11 @@ def parse_args(argv=None):
     if args.cluster.colocate_all_models and critic_world > world:
         raise ValueError(f"--colocate_all_models puts each critic rank on an actor device: {critic_world} critic "
                          f"ranks for {world} actor ranks")
-    if args.deepspeed_enable_sleep and not (args.cluster.colocate_all_models and zero_stage(args.train, world) > 0
+    if args.deepspeed_enable_sleep and not (args.cluster.colocate_all_models and args.train.zero_stage != 0
                                             and not args.train.adam_offload and not args.train.param_offload):
         raise ValueError("--deepspeed_enable_sleep moves ZeRO states off the device between phases: it needs "
-                         "--colocate_all_models and --zero_stage 1-3, without --adam_offload / --param_offload")
+                         "--colocate_all_models and --zero_stage 1-3 (unset: 2), without --adam_offload / "
+                         "--param_offload")
     if args.colocate_actor_ref and args.init_kl_coef <= 0:
         raise ValueError("--colocate_actor_ref needs --init_kl_coef > 0 (without a KL term no reference is loaded)")
     if args.colocate_critic_reward and not args.reward_pretrain:
@@ -181,6 +182,8 @@ def parse_args(argv=None):
     args = resolve_rollout_args(args, world, copies)  # the reward and environment files load here
     args.critic_pretrain = args.critic_pretrain or (args.reward_pretrain.split(",")[0] if args.reward_pretrain
                                                     else args.model.pretrain)
+    if args.deepspeed_enable_sleep and args.train.zero_stage is None:  # the states it moves off the device are ZeRO's
+        args.train = dataclasses.replace(args.train, zero_stage=2)
     check_critic(args)
     return args
 

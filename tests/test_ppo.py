@@ -173,6 +173,11 @@ def test_argument_errors_and_critic_default(assets, tmp_path):
         ppo.parse_args([*required, "--colocate_critic_reward"])
     with pytest.raises(ValueError, match="--deepspeed_enable_sleep moves ZeRO states off the device"):
         ppo.parse_args([*required, "--deepspeed_enable_sleep"])
+    # the states it moves are ZeRO's: --zero_stage unset resolves to 2 with it (a world of one would take 0)
+    sleep = [*required, "--colocate_all_models", "--deepspeed_enable_sleep"]
+    assert ppo.parse_args(sleep).train.zero_stage == 2 and ppo.parse_args(required).train.zero_stage is None
+    with pytest.raises(ValueError, match=r"--zero_stage 1-3 \(unset: 2\)"):
+        ppo.parse_args([*sleep, "--zero_stage", "0"])
     with pytest.raises(ValueError, match="--ring_attn_size 2 must divide the world size 3"):
         ppo.parse_args([*required, "--ring_attn_size", "2", "--actor_num_gpus_per_node", "2",
                         "--critic_num_gpus_per_node", "3"])
