@@ -40,8 +40,9 @@ Memory: at a real vocabulary the (response tokens x vocabulary) logits of studen
 micro-batch, so by default (--logps_chunk_tokens, see common.kernels.chunked_head) neither model makes them: both
 keep their final hidden states at the response positions, and the KD and CE terms are computed per chunk of tokens
 from both heads' logits of that chunk, backward recomputing the chunk; --logps_chunk_tokens 0 is the whole-logits
-path. Whole logits remain where the chunked head does not apply (head_chunk_tokens: model types other than Llama,
-Mistral, Qwen2), for the student under --ring_attn_size > 1, and in a --teacher_cache with K = 0 (all logits, stored).
+path; under --ring_attn_size the ranks all-gather the loss tokens' final hidden states (ring_response_logits).
+Whole logits remain where the chunked head does not apply (head_chunk_tokens: model types other than Llama,
+Mistral, Qwen2) and in a --teacher_cache with K = 0 (all logits, stored).
 
 On-policy (--lmbda > 0): at each step, with probability --lmbda (the same draw on every rank), rank 0
 pushes the student's weights into its in-process vLLM engine (WeightSync), samples one response per

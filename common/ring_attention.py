@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from common.kernels.chunked_head import forward_without_logits, head_chunk_tokens, head_token_values
+from common.kernels.chunked_head import HeadLogits, forward_without_logits, head_chunk_tokens, head_token_values
 from common.packing import per_sample_sum, token_logps, unwrap
 from common.kernels.varlen_attention import cu_seqlens_from_position_ids, varlen_attention_forward, varlen_backward
 from common.kernels.varlen_attention import varlen_forward
@@ -360,17 +360,21 @@ def ring_response_logps(model, batch, ring):
 
 
 def ring_response_logits(model, batch, ring):
-    """For a one-row batch split over `ring`: (logits (N, V) in float32, targets (N,), loss tokens per sample) of
-    the N loss tokens in row order, as algos/distill.py's response_logits gives them. Each rank computes the
-    logits of the loss tokens its slice predicts; those rows (not the whole slice's) are all-gathered (autograd)."""
+    """For a one-row batch split over `ring`: (logits, targets (N,), loss tokens per sample) of the N loss tokens
+    in row order, as algos/distill.py's response_logits gives them. Each rank runs its slice; the rows that predict
+    the loss tokens are all-gathered (autograd): where head_chunk_tokens(model) is not 0 their final hidden states,
+    so logits is a HeadLogits that makes (chunk, V) at a time, else their float32 (N, V) logits."""
     mask, index = batch["loss_mask"][0], batch["sample_index"][0]
     cols = mask.nonzero().squeeze(1)  # one row, samples in order: row order is sample order
-    outputs, input_ids, lo, hi = ring_forward(model, batch, ring)
+    chunk = head_chunk_tokens(model)
+    outputs, input_ids, lo, hi = ring_forward(model, batch, ring, without_logits=bool(chunk))
     local = hi - lo
-    owner = (cols - 1) // local  # the rank whose slice holds the logits that predict each loss token
+    owner = (cols - 1) // local  # the rank whose slice holds the position that predicts each loss token
     counts = torch.bincount(owner, minlength=ring.size).tolist()
-    mine = outputs.logits[0, cols[owner == ring.rank] - 1 - lo].float()
+    rows = cols[owner == ring.rank] - 1 - lo
+    mine = outputs.final_hidden[0, rows] if chunk else outputs.logits[0, rows].float()
     width = max(counts)
     gathered = _gather(F.pad(mine, (0, 0, 0, width - len(mine))), ring).view(ring.size, width, -1)
-    logits = torch.cat([gathered[r, : counts[r]] for r in range(ring.size)])
+    gathered = torch.cat([gathered[r, : counts[r]] for r in range(ring.size)])
+    logits = HeadLogits(gathered, outputs.head, outputs.autocast_dtype, chunk) if chunk else gathered
     return logits, input_ids[0, cols], torch.bincount(index[cols], minlength=batch["num_samples"])

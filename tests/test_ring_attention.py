@@ -184,7 +184,7 @@ def curves(path):
     return read_jsonl(path)
 
 
-@pytest.mark.parametrize("script", ["sft", "dpo"])
+@pytest.mark.parametrize("script", ["sft", "dpo", "distill"])
 def test_script_with_a_ring_of_two_equals_data_parallel(assets, tmp_path, script):
     """`--ring_attn_size 2` on 2 ranks (one data-parallel replica, each packed row split over the ring) gives the
     loss curve, log-probs and gradient norms of one process with the same global batch and micro-batches."""
@@ -198,6 +198,11 @@ def test_script_with_a_ring_of_two_equals_data_parallel(assets, tmp_path, script
         common += ["--dataset", f"{data}/sft_train.jsonl", "--input_key", "prompt", "--output_key", "response",
                    "--learning_rate", 3e-3, "--zero_stage", 2]
         keys = ("train/loss", "train/grad_norm")
+    elif script == "distill":  # ZeRO-2, a live teacher, the student's head in chunks of 8 loss tokens
+        common += ["--dataset", f"{data}/sft_train.jsonl", "--input_key", "prompt", "--output_key", "response",
+                   "--teacher_model", f"{assets}/qwen2-0.5m", "--learning_rate", 3e-3, "--kd_coef", 0.5,
+                   "--logps_chunk_tokens", 8, "--zero_stage", 2]
+        keys = ("train/loss", "train/kd", "train/nll", "train/grad_norm")
     else:  # ZeRO-3, the reference cached by plain data-parallel forwards, an NLL term
         common += ["--dataset", f"{data}/pref_train.jsonl", "--learning_rate", 3e-4, "--beta", 0.1,
                    "--nll_loss_coef", 0.5, "--zero_stage", 3]
