@@ -26,7 +26,7 @@ echo "== GRPO from the SFT checkpoint (Ray: 2 trainer ranks + 1 vLLM engine; exa
 $PY algos/grpo.py --pretrain outputs/demo_sft --prompt_data $DATA/rl_train.jsonl --eval_dataset $DATA/rl_test.jsonl \
   --input_key prompt --label_key answer --apply_chat_template --remote_rm_url launch/rewards/exact_match.py \
   --n_samples_per_prompt 8 --rollout_batch_size 64 --train_batch_size 256 --max_epochs 2 \
-  --micro_train_batch_size 16 --micro_rollout_batch_size 16 --actor_num_gpus_per_node 2 \
+  --micro_train_batch_size 16 --micro_rollout_batch_size 16 --actor_num_gpus_per_node 2 --vllm_num_engines 1 \
   --prompt_max_len 48 --generate_max_len 16 \
   --actor_learning_rate 1e-4 --max_steps 30 --eval_steps 10 --eval_temperature 0 --eval_n_samples_per_prompt 1 \
   --save_path outputs/demo_grpo --metrics_file outputs/demo_grpo_metrics.jsonl 2>outputs/demo_grpo.log \
