@@ -50,6 +50,8 @@ class Args:
     """Tokens per response."""
     trainer_ranks: int = 2
     """Trainer ranks (Ray actors)."""
+    vllm_engines: int = 1
+    """vLLM engines (--vllm_num_engines)."""
     modes: tuple[str, ...] = ("sync", "async")
     """sync, async (--async_train --max_staleness 1), and/or noskip (sync with --no_skip_zero_advantage)."""
     signal_share: float = -1.0
@@ -62,7 +64,8 @@ def main(args: Args):
     reward = (os.path.join(ROOT, "benchmarks", "signal_share_reward.py") if args.signal_share >= 0 else
               os.path.join(ROOT, "launch", "rewards", "exact_match.py"))
     print(f"{samples} samples per step ({args.rollout_batch_size} prompts x {args.n_samples_per_prompt}), "
-          f"{args.trainer_ranks} trainer ranks, 1 vLLM engine, responses <= {args.generate_max_len} tokens")
+          f"{args.trainer_ranks} trainer ranks, {args.vllm_engines} vLLM engine(s), "
+          f"responses <= {args.generate_max_len} tokens")
     print(f"{'model':<12}{'mode':<7}" + "".join(f"{p.replace('rollout_', '') + ' s':>11}" for p in PHASES)
           + f"{'step s':>9}{'samples/s':>11}{'engine idle':>13}{'trainer idle':>14}{'skipped':>9}")
     for model in args.models:
@@ -78,6 +81,7 @@ def main(args: Args):
                        "--rollout_batch_size", str(args.rollout_batch_size), "--train_batch_size", str(samples),
                        "--micro_train_batch_size", "16", "--micro_rollout_batch_size", "16",
                        "--actor_num_gpus_per_node", str(args.trainer_ranks), "--prompt_max_len", "64",
+                       "--vllm_num_engines", str(args.vllm_engines),
                        "--generate_max_len", str(args.generate_max_len), "--max_steps", str(args.steps),
                        "--save_path", os.path.join(tmp, "out"), "--metrics_file", metrics_file]
                 if mode == "async":

@@ -45,13 +45,15 @@ class Args:
     """Actor trainer ranks (Ray actors)."""
     critic_ranks: int = 1
     """Critic trainer ranks (Ray actors)."""
+    vllm_engines: int = 1
+    """vLLM engines (--vllm_num_engines)."""
 
 
 def main(args: Args):
     build_assets(args.assets, models=args.models, tasks=("reverse",))
     samples = args.rollout_batch_size * args.n_samples_per_prompt
     print(f"{samples} samples per step ({args.rollout_batch_size} prompts x {args.n_samples_per_prompt}), "
-          f"{args.actor_ranks} actor ranks, {args.critic_ranks} critic rank(s), 1 vLLM engine, "
+          f"{args.actor_ranks} actor ranks, {args.critic_ranks} critic rank(s), {args.vllm_engines} vLLM engine(s), "
           f"responses <= {args.generate_max_len} tokens")
     print(f"{'model':<12}" + "".join(f"{p + ' s':>18}" for p in PHASES) + f"{'step s':>9}{'samples/s':>11}")
     for model in args.models:
@@ -65,7 +67,7 @@ def main(args: Args):
                    "--n_samples_per_prompt", str(args.n_samples_per_prompt),
                    "--rollout_batch_size", str(args.rollout_batch_size), "--train_batch_size", str(samples),
                    "--micro_train_batch_size", "16", "--micro_rollout_batch_size", "16",
-                   "--actor_num_gpus_per_node", str(args.actor_ranks),
+                   "--actor_num_gpus_per_node", str(args.actor_ranks), "--vllm_num_engines", str(args.vllm_engines),
                    "--critic_num_gpus_per_node", str(args.critic_ranks), "--prompt_max_len", "64",
                    "--generate_max_len", str(args.generate_max_len), "--max_steps", str(args.steps),
                    "--save_path", os.path.join(tmp, "out"), "--metrics_file", metrics_file]
