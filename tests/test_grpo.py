@@ -466,14 +466,14 @@ def test_defaults_resolve_to_the_best_mode_on_one_box(assets):
         grpo.parse_args([*required, "--vllm_num_engines", "0"])
     trainers = 2 * weight_bytes(model) * 4  # one rank's fp32 weights, gradients and AdamW moments
 
-    def engine(cores):  # fp32 weights and the KV cache of its share of the 4 prompts x 2 samples, 64 tokens each
-        return 2 * weight_bytes(model) + kv_cache_bytes(model, 64, math.ceil(4 / cores) * 2)
+    def engines(n):  # n engines: fp32 weights and the KV cache of a share of the 4 prompts x 4 evaluation samples
+        return n * (2 * weight_bytes(model) + kv_cache_bytes(model, 64, math.ceil(4 / n) * 4))
 
     plenty = 2**40
     assert default_num_engines(args, 1, 4, 2, plenty) == 2  # one per core
     assert default_num_engines(args, 1, 4, 16, plenty) == 4  # one per prompt
-    assert default_num_engines(args, 1, 4, 8, trainers + 3 * engine(8) + 1) == 3  # as many as the memory holds
-    assert default_num_engines(args, 1, 4, 8, trainers + 3 * engine(8) - 1) == 2
+    assert default_num_engines(args, 1, 4, 8, trainers + engines(3)) == 3  # as many as the memory holds
+    assert default_num_engines(args, 1, 4, 8, trainers + engines(3) - 1) == 2
     assert default_num_engines(args, 1, 4, 8, 0) == 1
     overlapped = dataclasses.replace(args, async_rollout=dataclasses.replace(args.async_rollout, async_train=True))
     assert default_num_engines(overlapped, 1, 4, 4, plenty) == 3  # the trainer rank keeps its core

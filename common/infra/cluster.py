@@ -139,7 +139,7 @@ def default_num_engines(args, world, trainer_copies, cores, memory):
     trainers wait while the engines generate; those beside the `world` trainer ranks with --async_train), at most
     one per rollout prompt, and no more than `memory` bytes hold once the trainers have their `trainer_copies` fp32
     copies of the weights (4 per training rank: weights, gradients, two AdamW moments; 1 per frozen replica), each
-    engine holding its weights and its KV cache (vllm_engine.kv_cache_bytes)."""
+    engine holding its weights and the KV cache of its share (engine_max_num_seqs, vllm_engine.kv_cache_bytes)."""
     from common.infra.vllm_engine import kv_cache_bytes, weight_bytes
 
     if args.cluster.colocate_all_models:
@@ -149,11 +149,22 @@ def default_num_engines(args, world, trainer_copies, cores, memory):
     cores = cores - (world if args.async_rollout.async_train else 0)
     bf16 = uses_bf16(args.train)  # on CPU the trainers keep fp32 weights either way
     bf16_weights = weight_bytes(args.model.pretrain)
-    per_engine = math.ceil(args.rollout_batch_size / max(1, cores)) * args.n_samples_per_prompt
-    engine = bf16_weights * (1 if bf16 else 2) + kv_cache_bytes(
-        args.model.pretrain, args.engine.max_model_len, per_engine, dtype_bytes=2 if bf16 else 4)
-    fits = (memory - 2 * bf16_weights * trainer_copies) // engine
-    return int(max(1, min(cores, args.rollout_batch_size, fits)))
+    free = memory - 2 * bf16_weights * trainer_copies
+    for engines in range(max(1, min(cores, args.rollout_batch_size)), 1, -1):  # the most that fit
+        kv = kv_cache_bytes(args.model.pretrain, args.engine.max_model_len, engine_max_num_seqs(args, engines),
+                            dtype_bytes=2 if bf16 else 4)
+        if engines * (bf16_weights * (1 if bf16 else 2) + kv) <= free:
+            return engines
+    return 1
+
+
+def engine_max_num_seqs(args, engines):
+    """Sequences one of `engines` engines holds at once: every sample of its share of a rollout's prompts, or of an
+    evaluation round's."""
+    from common.infra.vllm_engine import default_max_num_seqs
+
+    per_engine = math.ceil(args.rollout_batch_size / engines)
+    return default_max_num_seqs(per_engine * max(args.n_samples_per_prompt, args.eval_n_samples_per_prompt))
 
 
 def available_memory():
@@ -280,11 +291,9 @@ def weight_sync(args, rank, engines):
 def start_engines(args, roles, cpus, gpus, at=None):
     """The --vllm_num_engines engine actors (each --vllm_tensor_parallel_size devices; colocated with `at`: engine
     i in trainer rank i x tp size's bundle), added to `roles`."""
-    from common.infra.vllm_engine import create_vllm_actor, default_max_num_seqs
+    from common.infra.vllm_engine import create_vllm_actor
 
-    # an engine holds at once every sample of its share of a rollout (or of an evaluation round)
-    per_engine = math.ceil(args.rollout_batch_size / args.cluster.vllm_num_engines)
-    max_num_seqs = default_max_num_seqs(per_engine * max(args.n_samples_per_prompt, args.eval_n_samples_per_prompt))
+    max_num_seqs = engine_max_num_seqs(args, args.cluster.vllm_num_engines)
     return [roles.add(f"vLLM engine {i}", create_vllm_actor(
                 args.model.pretrain, args.engine, num_cpus=cpus, num_gpus=gpus * args.engine.tp_size,
                 enable_sleep=args.cluster.vllm_enable_sleep, colocated=at is not None, max_num_seqs=max_num_seqs,
