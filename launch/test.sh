@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Set up (launch/setup.sh), lint (ruff.toml), and run the whole test suite on the CPU. Extra arguments go to pytest.
+# --quick (first argument) runs the quick tier instead: the tests marked `quick` (docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+tier=full
+if [ "${1:-}" = "--quick" ]; then
+  tier=quick
+  shift
+fi
 bash launch/setup.sh
 .venv/bin/ruff check algos common tests benchmarks launch
 export TOKENIZERS_PARALLELISM=false
@@ -19,5 +25,17 @@ cores = len(os.sched_getaffinity(0))
 available_kib = int(next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemAvailable")))
 print(max(1, min(cores, available_kib // (6 * 2**20))))')}
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
-# the slowest tests are listed at the end, to keep the suite inside its time (README)
-exec .venv/bin/python -m pytest -q --durations=25 -n "$workers" --dist loadfile tests "$@"
+# The speed probe scales the tier's budget to this machine (tests/scripts/suite_budget.py); a whole tier run past
+# it fails, naming its slowest tests. A run narrowed by extra arguments has no budget.
+read -r gflops budget < <(.venv/bin/python tests/scripts/suite_budget.py --$tier)
+echo "speed probe: $gflops GFLOP/s (fp32 matmul, one thread); $tier tier budget ${budget} s"
+if [ $# -eq 0 ]; then
+  export MINRLHF_SUITE_BUDGET_S=$budget
+fi
+marker=()
+[ "$tier" = quick ] && marker=(-m quick)
+start=$SECONDS
+status=0
+.venv/bin/python -m pytest -q --durations=25 -n "$workers" --dist loadfile "${marker[@]}" tests "$@" || status=$?
+echo "$tier tier: $((SECONDS - start)) s of pytest"
+exit $status

@@ -4,6 +4,7 @@ import glob
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,7 +12,11 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# the suite's time budget (launch/test.sh sets it): a session past it fails, naming its slowest tests
+from suite_budget import pytest_runtest_logreport, pytest_sessionfinish, pytest_sessionstart  # noqa: E402, F401
 
 
 STALE_BUILD_LOCK_S = 300  # a JIT build of DeepSpeed's ops (shm comm, CPU Adam) takes ~1 min on 2 busy cores
@@ -45,37 +50,53 @@ def stale_build_locks_removed():
     stop.set()
 
 
+def built_once(tmp_path_factory, name, build):
+    """The folder `name` that build(folder) fills, built once per suite, not once per xdist worker: the first
+    worker to ask builds it under a lock in the workers' shared temporary folder, the others wait and reuse it."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    out, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock"), timeout=900):  # the longest build, an SFT run, takes ~1 min
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            build(str(out))
+            done.touch()
+    return str(out)
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
     """Tiny models (llama-0.5m, qwen2-0.5m) and synthetic data, built deterministically offline."""
     from launch.tiny import build_assets
 
-    return build_assets(str(tmp_path_factory.mktemp("assets")), models=("llama-0.5m", "qwen2-0.5m"))
+    return built_once(tmp_path_factory, "assets", lambda out: build_assets(out, models=("llama-0.5m", "qwen2-0.5m")))
+
+
+def sft_reversal(assets, train_batch_size):
+    """build(folder) for built_once: one epoch of sft.py on string reversal from the tiny Llama into the folder."""
+    return lambda out: run_script("sft.py", [
+        "--pretrain", f"{assets}/llama-0.5m", "--dataset", f"{assets}/data/reverse/sft_train.jsonl",
+        "--input_key", "prompt", "--output_key", "response", "--apply_chat_template", "--max_len", 64,
+        "--train_batch_size", train_batch_size, "--micro_train_batch_size", 16, "--learning_rate", 3e-3,
+        "--save_path", out,
+    ])
 
 
 @pytest.fixture(scope="session")
 def sft_model(assets, tmp_path_factory):
     """The tiny Llama after one epoch of SFT on string reversal (the start point of RM / DPO / KTO tests)."""
-    out = tmp_path_factory.mktemp("sft_model")
-    run_script("sft.py", [
-        "--pretrain", f"{assets}/llama-0.5m", "--dataset", f"{assets}/data/reverse/sft_train.jsonl",
-        "--input_key", "prompt", "--output_key", "response", "--apply_chat_template", "--max_len", 64,
-        "--train_batch_size", 32, "--micro_train_batch_size", 16, "--learning_rate", 3e-3, "--save_path", out,
-    ])
-    return str(out)
+    return built_once(tmp_path_factory, "sft_model", sft_reversal(assets, 32))
 
 
 @pytest.fixture(scope="session")
 def rl_start_model(assets, tmp_path_factory):
     """The tiny Llama after one epoch of SFT on reversal with small batches: greedy exact match ~0.66,
     right often enough that sampled groups carry a learning signal (the start of the RL and loop tests)."""
-    out = tmp_path_factory.mktemp("rl_start_model")
-    run_script("sft.py", [
-        "--pretrain", f"{assets}/llama-0.5m", "--dataset", f"{assets}/data/reverse/sft_train.jsonl",
-        "--input_key", "prompt", "--output_key", "response", "--apply_chat_template", "--max_len", 64,
-        "--train_batch_size", 16, "--micro_train_batch_size", 16, "--learning_rate", 3e-3, "--save_path", out,
-    ])
-    return str(out)
+    return built_once(tmp_path_factory, "rl_start_model", sft_reversal(assets, 16))
 
 
 def load_algo(name):

@@ -287,7 +287,7 @@ def grpo_args(assets, model, tmp, *extra, reward=REWARD):
             "--eval_dataset", f"{assets}/data/reverse/rl_test.jsonl", "--input_key", "prompt", "--label_key", "answer",
             "--apply_chat_template", "--remote_rm_url", reward, "--n_samples_per_prompt", 8,
             "--micro_train_batch_size", 16, "--micro_rollout_batch_size", 16, "--actor_num_gpus_per_node", 2,
-            "--prompt_max_len", 48, "--generate_max_len", 16, "--max_model_len", 128,
+            "--vllm_num_engines", 1, "--prompt_max_len", 48, "--generate_max_len", 16, "--max_model_len", 128,
             "--eval_temperature", 0, "--eval_n_samples_per_prompt", 1,
             "--save_path", tmp / "out", "--metrics_file", tmp / "metrics.jsonl", *extra]
 
@@ -376,6 +376,7 @@ def test_skipped_zero_advantage_samples_leave_the_update_unchanged(assets, rl_st
                 "--input_key", "prompt", "--label_key", "answer", "--apply_chat_template", "--remote_rm_url", REWARD,
                 "--n_samples_per_prompt", 4, "--rollout_batch_size", 16, "--train_batch_size", 64,
                 "--micro_train_batch_size", 8, "--micro_rollout_batch_size", 16, "--actor_num_gpus_per_node", 2,
+                "--vllm_num_engines", 1,
                 "--prompt_max_len", 48, "--generate_max_len", 16, "--max_model_len", 128, "--max_steps", 3,
                 "--actor_learning_rate", 3e-5, "--param_dtype", "fp32", "--save_path", tmp_path / name,
                 "--metrics_file", tmp_path / f"{name}.jsonl", *extra]

@@ -202,6 +202,7 @@ def ppo_args(assets, model, tmp, *extra):
             "--apply_chat_template", "--remote_rm_url", REWARD, "--n_samples_per_prompt", 4,
             "--rollout_batch_size", 32, "--train_batch_size", 64, "--micro_train_batch_size", 16,
             "--micro_rollout_batch_size", 16, "--actor_num_gpus_per_node", 2, "--critic_num_gpus_per_node", 1,
+            "--vllm_num_engines", 1,
             "--max_epochs", 2, "--actor_learning_rate", 1e-4, "--critic_learning_rate", 1e-3,
             "--prompt_max_len", 48, "--generate_max_len", 16, "--max_model_len", 128,
             "--eval_temperature", 0, "--eval_n_samples_per_prompt", 1, "--eval_steps", 10,

@@ -75,7 +75,8 @@ def test_grpo_at_real_vocab(real_vocab, tmp_path):
         "--pretrain", model_path, "--prompt_data", f"{data}/rl_train.jsonl", "--input_key", "prompt", "--label_key",
         "answer", "--apply_chat_template", "--remote_rm_url", SIGNAL_REWARD, "--n_samples_per_prompt", 4,
         "--rollout_batch_size", 4, "--train_batch_size", 16, "--micro_train_batch_size", 8,
-        "--micro_rollout_batch_size", 16, "--actor_num_gpus_per_node", 1, "--prompt_max_len", 48,
+        "--micro_rollout_batch_size", 16, "--actor_num_gpus_per_node", 1, "--vllm_num_engines", 1,
+        "--prompt_max_len", 48,
         "--generate_max_len", 16, "--max_model_len", 128, "--max_steps", 2, "--actor_learning_rate", 1e-3,
         "--param_dtype", "fp32", "--save_path", tmp_path / "out", "--metrics_file", tmp_path / "m.jsonl",
     ], timeout=600)

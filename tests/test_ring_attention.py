@@ -237,7 +237,7 @@ def test_rl_trainers_with_a_ring_of_two_equal_one_rank(assets, rl_start_model, t
               "--rollout_batch_size", 8, "--n_samples_per_prompt", 2, "--micro_train_batch_size", 8,
               "--micro_rollout_batch_size", 8, "--prompt_max_len", 48, "--generate_max_len", 16, "--max_model_len",
               128, "--max_steps", 1, "--actor_learning_rate", 1e-3, "--entropy_loss_coef", 0.01,
-              "--param_dtype", "fp32"]  # fp32: bf16 matmuls round differently per split
+              "--param_dtype", "fp32", "--vllm_num_engines", 1]  # fp32: bf16 matmuls round differently per split
     if script == "grpo":  # the KL in the loss: the reference runs in the trainer's ring
         common += ["--train_batch_size", 16, "--init_kl_coef", 0.05, "--use_kl_loss", "--kl_estimator", "k3"]
         ranks = lambda n: ["--actor_num_gpus_per_node", n]  # noqa: E731
