@@ -20,7 +20,7 @@ import torch
 from conftest import ROOT, read_jsonl, run_script
 
 from common.infra.remote_reward import load_reward_func, make_reward_fn
-from launch.reward_server import serve_rewards
+from launch.reward_server import main, serve_rewards
 
 EXACT_MATCH = os.path.join(ROOT, "launch", "rewards", "exact_match.py")
 SERVER = os.path.join(ROOT, "launch", "reward_server.py")
@@ -131,6 +131,8 @@ def test_oversized_and_unauthenticated_claims_are_answered_before_the_body(serve
         assert len(calls) == 1
     finally:
         srv.shutdown()
+    with pytest.raises(SystemExit, match=r"^error: --max_request_bytes 0 and --read_timeout 60.0 must be positive$"):
+        main(["--reward_func", EXACT_MATCH, "--max_request_bytes", "0"])
 
 
 def test_a_stalled_client_is_disconnected_after_the_read_timeout():
