@@ -15,6 +15,7 @@ goes to --processed_path (default: <output_path without .jsonl>.<post_processor>
 keys sft.py (`prompt`, `response`) and dpo.py (`prompt`, `chosen`, `rejected`) read.
 """
 
+import importlib.util
 import json
 import os
 import sys
@@ -24,7 +25,9 @@ from typing import Literal, Optional
 import torch
 import tyro
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # algos/.. (README: Forking)
+if importlib.util.find_spec("common") is None:
+    sys.exit(f"error: {__file__} cannot import common/: run it with PYTHONPATH=<the minrlhf checkout>")
 from common.data import DataArgs, format_prompt, format_response, validate_prompt_args# noqa: E402
 from common.infra.datasets import load_one, load_tokenizer# noqa: E402
 from common.infra.engine import run, parse_cli  # noqa: E402

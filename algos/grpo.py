@@ -38,6 +38,7 @@ log-probs of the sampled tokens are checked against the trainer's every step
 """
 
 import contextlib
+import importlib.util
 import math
 import os
 import sys
@@ -47,8 +48,9 @@ from typing import Literal, Optional
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # algos/.. (README: Forking)
+if importlib.util.find_spec("common") is None:
+    sys.exit(f"error: {__file__} cannot import common/: run it with PYTHONPATH=<the minrlhf checkout>")
 from common.infra.datasets import load_tokenizer  # noqa: E402
 from common.infra.cluster import (  # noqa: E402
     environment, join_group, load_prompts, off_policy, reference_args, rendezvous_address, reward_function,
@@ -500,7 +502,7 @@ def main(args: Args):
     optimizer_steps = total_steps * per_step // args.train.train_batch_size * args.train.max_epochs
     timeout_s = args.async_rollout.rollout_timeout
 
-    start_ray(args, 2 * world + args.cluster.vllm_num_engines + 1, ROOT)
+    start_ray(args, 2 * world + args.cluster.vllm_num_engines + 1)
     roles = Roles()
     trainers, engines, reward_models = place_models(args, world, tokenizer.pad_token_id, roles)
     roles.ready(args.cluster.startup_timeout)  # every role is up before anyone waits on another in a rendezvous

@@ -30,6 +30,7 @@ trainer's every step.
 
 import dataclasses
 import contextlib
+import importlib.util
 import math
 import os
 import sys
@@ -39,8 +40,9 @@ from typing import Literal, Optional
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # algos/.. (README: Forking)
+if importlib.util.find_spec("common") is None:
+    sys.exit(f"error: {__file__} cannot import common/: run it with PYTHONPATH=<the minrlhf checkout>")
 from common.infra.datasets import load_one, load_tokenizer  # noqa: E402
 from common.infra.cluster import (  # noqa: E402
     environment, join_group, load_prompts, off_policy, reference_args, rendezvous_address, reward_function,
@@ -692,7 +694,7 @@ def main(args: Args):
     timeout_s = args.async_rollout.rollout_timeout
     print(critic_source(args))
 
-    start_ray(args, 2 * (2 * world + critic_world) + args.cluster.vllm_num_engines + 1, ROOT)
+    start_ray(args, 2 * (2 * world + critic_world) + args.cluster.vllm_num_engines + 1)
     roles = Roles()
     trainers, references, critics, engines, reward_models = place_models(args, world, critic_world,
                                                                          tokenizer.pad_token_id, roles)

@@ -10,6 +10,7 @@ ranks), so gradient accumulation and the number of ranks do not change it.  A pl
 algos/sft.py` is a world of one.
 """
 
+import importlib.util
 import os
 import sys
 import time
@@ -17,7 +18,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # algos/.. (README: Forking)
+if importlib.util.find_spec("common") is None:
+    sys.exit(f"error: {__file__} cannot import common/: run it with PYTHONPATH=<the minrlhf checkout>")
 from common.data import BadRow, DataArgs, format_prompt, format_response, get_field, validate_data_args  # noqa: E402
 from common.infra.datasets import load_tokenizer, prepare_dataset, rank0_first, tokenization_cache_key  # noqa: E402
 from common.infra.engine import (  # noqa: E402

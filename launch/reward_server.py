@@ -5,6 +5,12 @@
 
 Standard library only (plus torch for the rewards). Requests are POSTs of {"queries", "prompts", "labels"} with
 `Authorization: Bearer <token>`; the answer is {"rewards": [...]} (common/infra/remote_reward.py is the client).
+
+Many clients at once (several runs sharing one server): the listen backlog holds 1,024 pending connections. A
+request without the token is answered 401 at once, and one whose Content-Length exceeds --max_request_bytes 413,
+both before the body is read; the body is then read and dropped (at most --max_request_bytes of it for a client
+without the token) so that a client still sending reads the answer, not a reset. Every read waits at most
+--read_timeout seconds.
 """
 
 import json
@@ -21,6 +27,8 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.infra.remote_reward import TOKEN_ENV, _file_reward_fn, check_rewards  # noqa: E402
 
+MAX_REQUEST_BYTES = 1 << 30  # 8,192 queries of 16k tokens' text, sent with their prompts, are ~0.5 GB
+
 
 # ----------------------------------------------------------------------------------------------
 # HTTP server
@@ -29,11 +37,13 @@ class RewardServer(ThreadingHTTPServer):
     """A ThreadingHTTPServer answering reward requests; `.url`, `.shutdown()`."""
 
     daemon_threads = True
+    request_queue_size = 1024  # the listen backlog: the standard library's 5 resets clients that connect together
 
-    def __init__(self, reward_fn, host, port, token):
+    def __init__(self, reward_fn, host, port, token, max_request_bytes=MAX_REQUEST_BYTES, read_timeout=60.0):
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         super().__init__((host, port), _RewardHandler)
         self.reward_fn, self.token = reward_fn, token
+        self.max_request_bytes, self.read_timeout = max_request_bytes, read_timeout
         self.lock = threading.Lock()  # models and user functions need not be thread-safe: one batch at a time
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
 
@@ -48,18 +58,26 @@ class RewardServer(ThreadingHTTPServer):
 
 
 class _RewardHandler(BaseHTTPRequestHandler):
+    def setup(self):
+        self.timeout = self.server.read_timeout  # a read that waits longer ends the connection (TimeoutError)
+        super().setup()
+
     def do_POST(self):
         server = self.server
         try:
             length = int(self.headers.get("Content-Length") or 0)
+            if length < 0:
+                raise ValueError
         except ValueError:
             return self._reply(400, {"error": "bad Content-Length"})
         given = self.headers.get("Authorization", "")
         if server.token and not secrets.compare_digest(given.encode(), f"Bearer {server.token}".encode()):
-            while length > 0:  # drain the body: closing on unread data resets the connection before the 401 arrives
-                chunk = self.rfile.read(min(length, 1 << 16))
-                length = length - len(chunk) if chunk else 0
-            return self._reply(401, {"error": "missing bearer token" if not given else "wrong bearer token"})
+            self._reply(401, {"error": "missing bearer token" if not given else "wrong bearer token"})
+            return self._discard(min(length, server.max_request_bytes))
+        if length > server.max_request_bytes:
+            self._reply(413, {"error": f"a request of {length} bytes exceeds the server's --max_request_bytes "
+                                       f"{server.max_request_bytes}"})
+            return self._discard(length)  # a client with the token is trusted to send what it claims
         try:
             request = json.loads(self.rfile.read(length))
             queries = request["queries"] if "queries" in request else request["query"]  # "query": OpenRLHF's clients
@@ -81,6 +99,13 @@ class _RewardHandler(BaseHTTPRequestHandler):
             return self._reply(500, {"error": f"{type(e).__name__}: {e}"})
         self._reply(200, {"rewards": rewards.tolist()})
 
+    def _discard(self, length):
+        """Read and drop `length` bytes of the body: closing on unread data resets the connection, and a client
+        still sending its body would see the reset instead of the answer already sent."""
+        while length > 0:
+            chunk = self.rfile.read(min(length, 1 << 16))
+            length = length - len(chunk) if chunk else 0
+
     def _reply(self, code, payload):
         body = json.dumps(payload).encode()
         self.send_response(code)
@@ -96,13 +121,15 @@ class _RewardHandler(BaseHTTPRequestHandler):
             super().log_request(code, size)
 
 
-def serve_rewards(reward_fn, host="127.0.0.1", port=0, token=None, allow_no_auth=False):
+def serve_rewards(reward_fn, host="127.0.0.1", port=0, token=None, allow_no_auth=False,
+                  max_request_bytes=MAX_REQUEST_BYTES, read_timeout=60.0):
     """Serve `reward_fn(queries, prompts, labels)` over HTTP from a daemon thread; returns the started
-    RewardServer (`.url`, `.shutdown()`). Requests without `Authorization: Bearer <token>` get 401,
-    malformed JSON 400, an error of reward_fn 500 with its message. port 0: any free port."""
+    RewardServer (`.url`, `.shutdown()`). Requests without `Authorization: Bearer <token>` get 401, bodies
+    over max_request_bytes 413, malformed JSON 400, an error of reward_fn 500 with its message; a read that
+    waits over read_timeout seconds ends its connection. port 0: any free port."""
     if not token and not allow_no_auth:
         raise ValueError("serve_rewards needs a token (or allow_no_auth=True to serve anyone who can connect)")
-    server = RewardServer(reward_fn, host, port, token)
+    server = RewardServer(reward_fn, host, port, token, max_request_bytes, read_timeout)
     server.thread.start()
     return server
 
@@ -125,6 +152,10 @@ class ServeArgs:
     """Port to listen on (0: any free port)."""
     token: Optional[str] = None
     """Bearer token clients must send (default: $MINRLHF_REWARD_TOKEN, else a new random one, printed)."""
+    max_request_bytes: int = MAX_REQUEST_BYTES
+    """Largest request body accepted; a larger Content-Length is answered 413 before the body is read."""
+    read_timeout: float = 60.0
+    """Seconds one read from a connection may wait before the connection is closed."""
 
 
 def reward_fn_from_args(args: ServeArgs):
@@ -149,11 +180,15 @@ def main(argv=None):
 
     args = tyro.cli(ServeArgs, args=argv, use_underscores=True, description=__doc__)
     try:
+        if args.max_request_bytes < 1 or not args.read_timeout > 0:
+            raise ValueError(f"--max_request_bytes {args.max_request_bytes} and --read_timeout {args.read_timeout} "
+                             "must be positive")
         reward_fn = reward_fn_from_args(args)
     except ValueError as e:
         sys.exit(f"error: {e}")
     token = args.token or os.environ.get(TOKEN_ENV)
-    server = serve_rewards(reward_fn, args.host, args.port, token=token or secrets.token_urlsafe(32))
+    server = serve_rewards(reward_fn, args.host, args.port, token=token or secrets.token_urlsafe(32),
+                           max_request_bytes=args.max_request_bytes, read_timeout=args.read_timeout)
     print(f"serving rewards at {server.url}", flush=True)
     if not token:
         print(f"token: {server.token}  (clients: --remote_rm_token or {TOKEN_ENV})", flush=True)

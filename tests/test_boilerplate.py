@@ -31,3 +31,13 @@ def test_marked_boilerplate_is_identical_across_scripts():
         first = next(iter(bodies.values()))
         differing = [script for script, body in bodies.items() if body != first]
         assert not differing, f"boilerplate {name!r} differs in {differing} from {next(iter(bodies))}"
+
+
+def test_every_script_finds_common_the_same_way():
+    """The lines that put the checkout on sys.path and stop with one error line where common/ is not found
+    (README: Forking a script) are the same in every script."""
+    preamble = re.compile(r"^sys\.path\.insert\(.*?\n    sys\.exit\(.*?\n", re.S | re.M)
+    found = {os.path.basename(p): preamble.findall(open(p).read())
+             for p in sorted(glob.glob(os.path.join(ROOT, "algos", "*.py")))}
+    assert all(len(blocks) == 1 for blocks in found.values()), found
+    assert len({blocks[0] for blocks in found.values()}) == 1, found

@@ -1,7 +1,9 @@
 """common/infra/remote_reward.py over real loopback HTTP: bearer-token auth, retries of a failing server,
-checked replies, reward-file errors that name the failing sample, the server CLI serving a reward
-model, and generate.py scoring through a reward server exactly as through the file."""
+checked replies, reward-file errors that name the failing sample, the server under many clients and
+oversized or unauthenticated claims, the server CLI serving a reward model, and generate.py scoring
+through a reward server exactly as through the file."""
 
+import http.client
 import json
 import os
 import socket
@@ -18,7 +20,7 @@ import torch
 from conftest import ROOT, read_jsonl, run_script
 
 from common.infra.remote_reward import load_reward_func, make_reward_fn
-from launch.reward_server import serve_rewards
+from launch.reward_server import main, serve_rewards
 
 EXACT_MATCH = os.path.join(ROOT, "launch", "rewards", "exact_match.py")
 SERVER = os.path.join(ROOT, "launch", "reward_server.py")
@@ -67,6 +69,82 @@ def test_rewards_with_the_token_and_401_without(server, monkeypatch):
     assert (status, reply) == (200, {"rewards": [0.0]})  # label None: no match
     with pytest.raises(ValueError, match="needs a token"):
         serve_rewards(make_reward_fn(EXACT_MATCH), token="")
+
+
+def test_64_clients_at_once_get_every_reward_without_a_reset(server):
+    """Raw http.client, no retry (as other projects' clients): a connection each, all opened together, so a
+    small listen backlog resets some of them."""
+    port, n = server.server_address[1], 64
+    queries, prompts, labels = QUERIES * 22, PROMPTS * 22, LABELS * 22  # 66 queries, the size of a small batch
+    body = json.dumps({"queries": queries, "prompts": prompts, "labels": labels}).encode()
+    barrier, results = threading.Barrier(n), []
+
+    def client():
+        barrier.wait()
+        for _ in range(3):
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                conn.request("POST", "/", body, {"Authorization": "Bearer secret-token"})
+                reply = conn.getresponse()
+                results.append((reply.status, json.loads(reply.read())["rewards"]))
+                conn.close()
+            except OSError as e:
+                results.append(repr(e))
+
+    threads = [threading.Thread(target=client) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 3 * n
+    assert [r for r in results if r != (200, EXPECTED * 22)] == []
+
+
+def claim(url, headers, length):
+    """Headers claiming a body of `length` bytes, then 10 bytes only, the connection kept open:
+    (status, reply, seconds to the reply)."""
+    host, port = url.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=1.0) as s:
+        start = time.time()
+        s.sendall(f"POST / HTTP/1.1\r\nHost: {host}\r\nContent-Length: {length}\r\n{headers}\r\n0123456789".encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.endswith(b"}"):  # a timeout here fails the test
+            reply += s.recv(4096)
+        status, payload = int(reply.split()[1]), json.loads(reply.split(b"\r\n\r\n", 1)[1])
+        return status, payload, time.time() - start
+
+
+def test_oversized_and_unauthenticated_claims_are_answered_before_the_body(server):
+    status, reply, seconds = claim(server.url, "", 10**9)
+    assert (status, reply) == (401, {"error": "missing bearer token"}) and seconds < 1.0
+    status, reply, seconds = claim(server.url, "Authorization: Bearer secret-token\r\n", 2**30 + 1)  # the default
+    assert status == 413 and seconds < 1.0
+    assert reply == {"error": f"a request of {2**30 + 1} bytes exceeds the server's --max_request_bytes {2**30}"}
+    # the project's client reads the 413 (its body was read and dropped, not reset) and does not retry it
+    calls = []
+    srv = serve_rewards(lambda q, p, lab: calls.append(q) or [0.0] * len(q), token="t", max_request_bytes=300)
+    try:
+        fn = make_reward_fn(srv.url, token="t", backoff=10)
+        assert fn(QUERIES[:1], PROMPTS[:1], LABELS[:1]).tolist() == [0.0]  # 100 bytes or so: served
+        with pytest.raises(RuntimeError, match=r"answered 413: a request of \d+ bytes exceeds .* 300$"):
+            fn(QUERIES * 4, PROMPTS * 4, LABELS * 4)
+        assert len(calls) == 1
+    finally:
+        srv.shutdown()
+    with pytest.raises(SystemExit, match=r"^error: --max_request_bytes 0 and --read_timeout 60.0 must be positive$"):
+        main(["--reward_func", EXACT_MATCH, "--max_request_bytes", "0"])
+
+
+def test_a_stalled_client_is_disconnected_after_the_read_timeout():
+    srv = serve_rewards(lambda q, p, lab: [0.0] * len(q), token="t", read_timeout=0.3)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.server_address[1]), timeout=5) as s:
+            s.sendall(b"POST / HTTP/1.1\r\nContent-Length: 100\r\nAuthorization: Bearer t\r\n\r\n0123456789")
+            start = time.time()
+            assert s.recv(4096) == b""  # closed unanswered: the body never came
+            assert 0.25 < time.time() - start < 2.0
+    finally:
+        srv.shutdown()
 
 
 class ScriptedServer(ThreadingHTTPServer):

@@ -218,15 +218,18 @@ def rollout_steps(args, num_prompts):
     return total_steps, max(num_prompts // args.rollout_batch_size, 1)
 
 
-def start_ray(args, num_roles, root):
-    """Join --ray_address, or start a local Ray with a logical CPU for every role even on a 2-core machine."""
+def start_ray(args, num_roles):
+    """Join --ray_address, or start a local Ray with a logical CPU for every role even on a 2-core machine.
+    The workers import common/ from the checkout this one came from, wherever the script lives."""
     import ray
 
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     if args.cluster.ray_address:
-        ray.init(address=args.cluster.ray_address, runtime_env={"env_vars": {"PYTHONPATH": root}})
+        ray.init(address=args.cluster.ray_address, runtime_env={"env_vars": {"PYTHONPATH": path}})
     else:
         ray.init(num_cpus=max(os.cpu_count() or 1, num_roles), include_dashboard=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": root, "TOKENIZERS_PARALLELISM": "false"}})
+                 runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
 
 
 def trainer_bundles(roles, num_nodes, per_node, gpu, timeout_s, name):
