@@ -123,6 +123,7 @@ def test_a_template_that_rewrites_history_forks_or_rejects(assets, rl_start_mode
         assert s["trainable"][: len(last)] == [1] * len(last) and not s["masked"]
 
 
+@pytest.mark.quick
 def test_environment_tokens_do_not_change_advantages():
     """The same model tokens and rewards with different environment tokens between them (other ids, other
     lengths, other old / reference log-probs there): the model tokens' advantages are the same for every estimator,
@@ -166,6 +167,7 @@ def test_environment_tokens_do_not_change_advantages():
         assert results[0][0].abs().sum() > 0
 
 
+@pytest.mark.quick
 def test_bad_agent_files(assets, rl_start_model, tmp_path):
     from transformers import AutoTokenizer
 
@@ -290,6 +292,7 @@ def write_episode_file(tmp_path, name, body):
     return str(path)
 
 
+@pytest.mark.quick
 def test_bad_episode_functions(assets, rl_start_model, tmp_path):
     from transformers import AutoTokenizer
 

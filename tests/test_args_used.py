@@ -12,6 +12,8 @@ import pytest
 
 from conftest import ROOT, load_algo
 
+pytestmark = pytest.mark.quick  # the quick tier (launch/test.sh --quick)
+
 COMMON = glob.glob(os.path.join(ROOT, "common", "**", "*.py"), recursive=True)
 
 SCRIPTS = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(ROOT, "algos", "*.py")))

@@ -51,6 +51,7 @@ def test_one_step_off_policy_learns(assets, rl_start_model, tmp_path):
     assert evals[-1] - evals[0] >= 0.04, evals  # measured 0.66 -> 0.745 (greedy exact match, 200 held-out prompts)
 
 
+@pytest.mark.quick
 def test_rollouts_run_up_to_k_steps_ahead(assets, rl_start_model, tmp_path):
     """--max_staleness 2: the rollout thread runs two steps ahead; step j trains on the samples of the weights of
     update max(j - 2, 0) exactly (the weight sync waits for the rollouts due on the old weights)."""
@@ -63,6 +64,7 @@ def test_rollouts_run_up_to_k_steps_ahead(assets, rl_start_model, tmp_path):
     assert [m["async/staleness"] for m in steps] == [0, 1, 2, 2, 2]
 
 
+@pytest.mark.quick
 def test_off_policy_needs_a_trust_region(assets):
     required = ["--pretrain", f"{assets}/llama-0.5m", "--prompt_data", "d.jsonl", "--remote_rm_url", REWARD,
                 "--prompt_max_len", "48", "--generate_max_len", "16", "--async_train"]

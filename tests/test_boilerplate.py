@@ -7,7 +7,11 @@ import glob
 import os
 import re
 
+import pytest
+
 from conftest import ROOT
+
+pytestmark = pytest.mark.quick  # the quick tier (launch/test.sh --quick)
 
 BLOCK = re.compile(r"# ---- boilerplate: (?P<name>[\w ]+) \(.*?\n(?P<body>.*?)[ ]*"
                    r"# ---- end of boilerplate: (?P=name) ----", re.S)

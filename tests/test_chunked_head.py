@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from common.kernels.chunked_head import chunked_head, head_chunk_tokens
 from common.packing import collate, token_logps
 
+pytestmark = pytest.mark.quick  # the quick tier (launch/test.sh --quick)
+
 TOL = 1e-5
 
 

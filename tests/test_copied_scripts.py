@@ -1,11 +1,14 @@
 """A script copied out of the checkout (README: Forking a script) runs from any folder with the checkout on
-PYTHONPATH, Ray workers included; without it, it stops with one error line that says so."""
+PYTHONPATH, Ray workers included; without it, it stops with one error line that says so. grpo.py's copy (its Ray
+workers importing common/) runs in tests/test_grpo.py's resume test, which resumes the learning run from a copy."""
 
 import math
 import os
 import shutil
 import subprocess
 import sys
+
+import pytest
 
 from conftest import ROOT, read_jsonl
 
@@ -42,26 +45,7 @@ def test_copied_dpo_runs_two_steps_from_another_folder(assets, tmp_path):
     assert (tmp_path / "work" / "outputs" / "dpo" / "config.json").exists()  # the default --save_path, under cwd
 
 
-def test_copied_grpo_runs_two_steps_with_its_ray_workers(assets, tmp_path):
-    proc = copy_and_run(tmp_path, "grpo.py", ["--help"])
-    check_ok(proc)
-    assert "--n_samples_per_prompt" in proc.stdout
-    proc = copy_and_run(tmp_path, "grpo.py", [
-        "--pretrain", f"{assets}/llama-0.5m", "--prompt_data", f"{assets}/data/reverse/rl_train.jsonl",
-        "--input_key", "prompt", "--label_key", "answer", "--apply_chat_template",
-        "--remote_rm_url", os.path.join(ROOT, "launch", "rewards", "exact_match.py"),
-        "--rollout_batch_size", 4, "--n_samples_per_prompt", 2, "--train_batch_size", 8,
-        "--micro_train_batch_size", 8, "--micro_rollout_batch_size", 8, "--actor_num_gpus_per_node", 1,
-        "--vllm_num_engines", 1, "--prompt_max_len", 48, "--generate_max_len", 8, "--max_model_len", 128,
-        "--max_steps", 2, "--save_path", tmp_path / "out", "--metrics_file", tmp_path / "metrics.jsonl"])
-    check_ok(proc)
-    steps = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if "train/reward" in m]
-    assert [m["step"] for m in steps] == [1, 2]
-    # the trainer actor and the vLLM engine (Ray workers importing common/) ran and synced: same log-probs
-    assert max(m["check/vllm_logp_max_abs_diff"] for m in steps) <= 1e-4
-    assert (tmp_path / "out" / "config.json").exists()
-
-
+@pytest.mark.quick
 def test_a_copy_without_the_checkout_on_pythonpath_says_how_to_point_at_it(tmp_path):
     proc = copy_and_run(tmp_path, "dpo.py", ["--help"], pythonpath=None)
     script = tmp_path / "ideas" / "dpo.py"

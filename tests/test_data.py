@@ -17,6 +17,8 @@ from common.data import BadRow, DataArgs, format_prompt, format_response, valida
 
 from common.infra.datasets import load_one, prepare_dataset
 
+pytestmark = pytest.mark.quick  # the quick tier (launch/test.sh --quick)
+
 sft = load_algo("sft")
 
 ROWS = [{"prompt": f"reverse: {a} {b}", "response": f"{b} {a}", "n": i} for i, (a, b) in

@@ -24,6 +24,7 @@ TOP2_FORWARD_KL, TOP2_REVERSE_KL = 0.2475907059, 0.2366094862  # over {0, 1}: p_
 TOP2_T2_FORWARD_KL = 0.2527813486
 
 
+@pytest.mark.quick
 def test_divergences_hand_computed():
     distill = load_algo("distill")
     # logits = log-probs + an arbitrary per-row shift (softmax ignores it); two identical rows
@@ -62,6 +63,7 @@ def reverse_samples(distill, tokenizer, path, n):
     return [distill.distill_row(r, tokenizer, args) for r in read_jsonl(path)[:n]], args
 
 
+@pytest.mark.quick
 def test_packed_equals_padded(assets):
     """Per-token KD terms and CE from packed rows equal those from one padded sample per row."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -99,6 +101,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("student_kind", ["llama-0.5m", "qwen2-0.5m-tied"])
 def test_chunked_losses_equal_whole_logits(assets, student_kind, one_thread):
     """Every loss kind with the heads chunked (16 of the 60 loss tokens at a time, both models) equals whole logits
@@ -346,6 +349,7 @@ ON_POLICY_STEPS = 8
 # ----------------------------------------------------------------------------------------------
 # Bad input: fails before any model loads, naming the problem
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.quick
 def test_different_tokenizers_and_top_k_too_large(assets, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

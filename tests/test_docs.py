@@ -12,6 +12,8 @@ import tyro
 
 from conftest import ROOT, load_algo
 
+pytestmark = pytest.mark.quick  # the quick tier (launch/test.sh --quick)
+
 README_MAX_LINES = 300
 SKIP_DIRS = {".git", ".venv", "assets", "outputs", "runs", "wandb", "__pycache__", ".pytest_cache", "node_modules"}
 TEXT_SUFFIXES = (".md", ".py", ".sh", ".txt", ".toml", ".ini", ".sbatch")

@@ -26,6 +26,7 @@ def dpo_args(dpo, **kwargs):
     return dpo.Args(data=dpo.PrefDataArgs(apply_chat_template=True, max_len=64), **kwargs)
 
 
+@pytest.mark.quick
 def test_losses_by_hand():
     dpo = load_algo("dpo")
     # policy = reference: h = 0, so DPO and cDPO give log 2 whatever β and ε; IPO gives (1/(2β))²
@@ -213,6 +214,7 @@ def test_resume_reproduces_uninterrupted_run(assets, sft_model, tmp_path):
     assert max_weight_diff(tmp_path / "resumed", tmp_path / "full") <= 1e-6
 
 
+@pytest.mark.quick
 def test_bad_input(assets, tmp_path):
     from transformers import AutoTokenizer
 
@@ -284,6 +286,7 @@ def load_fork(path, name, edits=()):
     return module
 
 
+@pytest.mark.quick
 def test_fork_writes_to_its_own_place_and_names_a_flag_conflict(tmp_path):
     required = ["--pretrain", "some/model", "--dataset", "a.jsonl"]
     parsed = load_algo("dpo").parse_args(required)

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, read_jsonl, run_script
 
 REWARD = os.path.join(ROOT, "launch", "rewards", "exact_match.py")
@@ -94,6 +96,7 @@ def test_iterative_dpo_pairs_train_with_dpo(assets, sft_model, tmp_path):
     assert sum(last_epoch) / len(last_epoch) < 0.675, losses  # measured 0.654 (from log 2 = 0.693)
 
 
+@pytest.mark.quick
 def test_bad_input(assets, sft_model, tmp_path):
     bad_reward = tmp_path / "reward.py"
     bad_reward.write_text("def score(queries):\n    return [0.0] * len(queries)\n")

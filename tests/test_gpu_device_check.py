@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
@@ -21,6 +23,7 @@ def test_device_check_dry_run(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text()) == {"dry_run": True}
 
 
+@pytest.mark.quick
 def test_wheel_list_is_pinned_and_complete():
     import gpu_device_check
 
@@ -34,6 +37,7 @@ def test_wheel_list_is_pinned_and_complete():
         assert pins[name] == requirements[name], name
 
 
+@pytest.mark.quick
 def test_gpu_checks_collect_without_vllm_ray_flash_attn():
     """With vllm, ray, flash_attn and ring_flash_attn absent, only the modules that import them at module level
     (directly or through the project modules and sibling tests they import) are left out."""
@@ -52,6 +56,7 @@ def test_gpu_checks_collect_without_vllm_ray_flash_attn():
     assert everything == []
 
 
+@pytest.mark.quick
 def test_gpu_checks_fail_on_skips_and_fit_a_device_command():
     script = open(os.path.join(ROOT, "launch", "gpu_checks.sh")).read()
     assert "timeout 570" in script and "SKIPPED" in script and "gpu_test_modules.py" in script

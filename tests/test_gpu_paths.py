@@ -15,6 +15,8 @@ from common.infra.gpu import (
     optimizer_kind, packed_kernel, ring_kernel, torch_varlen_kwargs,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier (launch/test.sh --quick)
+
 
 # ----------------------------------------------------------------------------------------------
 # Attention choice

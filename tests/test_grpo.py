@@ -23,6 +23,7 @@ REWARD = os.path.join(ROOT, "launch", "rewards", "exact_match.py")
 REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
 
 
+@pytest.mark.quick
 def test_group_baselines_by_hand():
     s3 = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
     expected = {
@@ -37,6 +38,7 @@ def test_group_baselines_by_hand():
         assert torch.allclose(got, torch.tensor(want), atol=1e-6), estimator
 
 
+@pytest.mark.quick
 def test_token_advantages_kl_in_reward_return_to_go_and_whitening():
     kls = [torch.tensor([0.1, 0.2, 0.3])] + [torch.zeros(2)] * 7
     # dr_grpo, gamma ignored: token rewards [-0.1, -0.2, -0.3 + 0.5] -> returns [-0.1, 0.0, 0.2]
@@ -52,6 +54,7 @@ def test_token_advantages_kl_in_reward_return_to_go_and_whitening():
     assert abs(torch.cat(adv).mean().item()) < 1e-6 and abs(torch.cat(adv).std().item() - 1) < 1e-5
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("n", [8, 16])
 def test_groups_of_equal_rewards_carry_no_signal(n):
     """float32 round-off of equal rewards is not divided up to full-size advantages: eight rewards of 0.1 gave
@@ -67,6 +70,7 @@ def test_groups_of_equal_rewards_carry_no_signal(n):
     assert spread.abs().max().item() > 1.0
 
 
+@pytest.mark.quick
 def test_whitening_does_not_amplify_a_rollout_without_signal():
     """reinforce_baseline over groups that are each all 0.1 or all 1.1 (no signal anywhere) gives 0, not +-0.79;
     whitening a real spread still gives mean 0, std 1."""
@@ -81,6 +85,7 @@ def test_whitening_does_not_amplify_a_rollout_without_signal():
     assert tiny.abs().max().item() <= 2e-3  # the variance floor 1e-8: scaled by at most 1e4
 
 
+@pytest.mark.quick
 def test_masked_samples_set_no_baseline_and_no_whitening():
     """Three right answers and one rejected episode (reward 0 by construction): the kept three get 0, as a group
     of three equal rewards does, not +0.5; the rejected one gets 0. Whitening ignores masked samples too."""
@@ -102,6 +107,7 @@ def test_masked_samples_set_no_baseline_and_no_whitening():
     assert torch.cat(adv).abs().max().item() == 0.0
 
 
+@pytest.mark.quick
 def test_dynamic_filtering_judges_a_group_by_its_unmasked_samples():
     from common.rollout import carries_loss, no_signal
     from common.infra.vllm_engine import Sample
@@ -114,6 +120,7 @@ def test_dynamic_filtering_judges_a_group_by_its_unmasked_samples():
     assert carries_loss(finished, True) and carries_loss(cut, False) and not carries_loss(cut, True)
 
 
+@pytest.mark.quick
 def test_zero_advantage_samples_leave_the_micro_batches():
     """Samples whose advantages are all 0 (or masked) are left out and the rest spread over as many micro-batches
     as before, each keeping at least one sample; nothing is skipped when a KL loss or entropy bonus reads them."""
@@ -131,6 +138,7 @@ def test_zero_advantage_samples_leave_the_micro_batches():
     assert grpo.micro_batches(samples, 4, grpo.Args(use_kl_loss=True, init_kl_coef=0.1, kl_estimator="k3"))[1] == 0
 
 
+@pytest.mark.quick
 def test_kl_estimators_by_hand():
     logps, ref = torch.tensor([-1.0]), torch.tensor([-1.5])  # log ratio 0.5
     assert grpo.approx_kl(logps, ref, "k1").item() == pytest.approx(0.5)
@@ -139,6 +147,7 @@ def test_kl_estimators_by_hand():
     assert grpo.approx_kl(torch.tensor([0.0]), torch.tensor([-30.0]), "k1").item() == 10.0  # clamped
 
 
+@pytest.mark.quick
 def test_policy_loss_clip_clip_higher_dual_clip_by_hand():
     old = torch.zeros(4)
     logps = torch.log(torch.tensor([1.5, 0.5, 1.25, 5.0]))
@@ -152,6 +161,7 @@ def test_policy_loss_clip_clip_higher_dual_clip_by_hand():
     assert torch.allclose(loss, torch.tensor([-1.2, -0.5, -1.2, 3.0]), atol=1e-6)
 
 
+@pytest.mark.quick
 def test_step_normalisers():
     assert grpo.step_normaliser("token", 37, 8, 64, 16) == 37
     assert grpo.step_normaliser("sequence", 37, 8, 64, 16) == 8
@@ -160,6 +170,7 @@ def test_step_normalisers():
 
 @pytest.mark.parametrize("estimator,loss_agg", [("group_norm", "token"), ("group_norm", "sequence"),
                                                 ("dr_grpo", "token")])
+@pytest.mark.quick
 def test_step_loss_is_invariant_to_micro_batches_and_ranks(assets, estimator, loss_agg):
     """One optimizer step of 8 samples: all in one micro-batch = 4 micro-batches (2 ranks x 2) summed,
     with the step normaliser over all of them (what train() all-reduces)."""
@@ -196,6 +207,7 @@ def test_step_loss_is_invariant_to_micro_batches_and_ranks(assets, estimator, lo
     assert whole.abs().max().item() > 1e-4  # the step has a real gradient
 
 
+@pytest.mark.quick
 def test_skipped_old_logprob_pass_equals_the_plain_path(assets):
     """single_update: one optimizer step per rollout and no KL in the reward. Then the loss computed
     with the current log-probs standing in for the old ones (no separate forward) equals the loss with
@@ -235,6 +247,7 @@ def test_skipped_old_logprob_pass_equals_the_plain_path(assets):
     assert plain_metrics["vllm_logp_max_abs_diff"] > 0.1  # made-up vLLM log-probs: the check sees the gap
 
 
+@pytest.mark.quick
 def test_shared_prompt_batch_equals_whole_samples(assets):
     """The CPU kernel's layout: a group's samples after its first are branches of its prompt (each prompt once
     in the row). Loss (with KL and entropy terms), every metric and the gradients equal those of whole samples
@@ -298,20 +311,59 @@ def check_vllm_matches_trainer(metrics, tolerance=1e-4):
     assert diffs and max(diffs) <= tolerance, diffs
 
 
-def test_grpo_learns_reversal(assets, rl_start_model, tmp_path):
-    run_script("grpo.py", grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 64, "--train_batch_size",
-                                    256,
-                                    "--max_epochs", 2, "--actor_learning_rate", 1e-4, "--max_steps", 30,
-                                    "--eval_steps", 30), timeout=900)
-    metrics = read_jsonl(tmp_path / "metrics.jsonl")
-    evals = [m["eval/pass@1"] for m in metrics if "eval/pass@1" in m]
+LEARNING_STEPS, RESUME_AT = 30, 28
+
+
+@pytest.fixture(scope="module")
+def learning_run(assets, rl_start_model, tmp_path_factory):
+    """One 30-step run shared by the learning and resume tests: 64 prompts x 8 samples per step, two optimizer
+    steps per epoch over 2 epochs, checkpointed at step 28; (tmp, {step: metrics}, [eval pass@1])."""
+    tmp = tmp_path_factory.mktemp("grpo_run")
+    run_script("grpo.py", grpo_args(assets, rl_start_model, tmp, *LEARNING_RUN, "--max_steps", LEARNING_STEPS,
+                                    "--eval_steps", LEARNING_STEPS, "--save_steps", RESUME_AT, "--ckpt_path",
+                                    tmp / "ckpt"), timeout=900)
+    metrics = read_jsonl(tmp / "metrics.jsonl")
+    return tmp, {m["step"]: m for m in metrics if "train/reward" in m}, [m["eval/pass@1"] for m in metrics
+                                                                        if "eval/pass@1" in m]
+
+
+LEARNING_RUN = ["--rollout_batch_size", 64, "--train_batch_size", 256, "--max_epochs", 2, "--actor_learning_rate",
+                1e-4]
+
+
+def test_grpo_learns_reversal(learning_run):
+    tmp, steps, evals = learning_run
     assert evals[-1] - evals[0] >= 0.10, evals  # measured 0.66 -> 0.82 (greedy exact match, 200 held-out prompts)
-    check_vllm_matches_trainer(metrics)
-    steps = [m for m in metrics if "train/reward" in m]
-    assert len(steps) == 30 and all(m[f"time/{p}"] > 0 for m in steps for p in ("generate", "reward", "logprobs",
-                                                                                 "train", "sync"))
-    assert os.path.exists(tmp_path / "out" / "config.json")
-    assert os.path.exists(tmp_path / "out" / "best" / "config.json")
+    check_vllm_matches_trainer(list(steps.values()))
+    assert len(steps) == LEARNING_STEPS and all(m[f"time/{p}"] > 0 for m in steps.values()
+                                                for p in ("generate", "reward", "logprobs", "train", "sync"))
+    assert os.path.exists(tmp / "out" / "config.json")
+    assert os.path.exists(tmp / "out" / "best" / "config.json")
+
+
+def test_resume_continues_the_same_run_from_a_copied_script(assets, rl_start_model, learning_run):
+    """The learning run resumed at step 28 (as if it had died after saving it) reproduces steps 29-30. The resumed
+    run is grpo.py copied out of the checkout and started from a third folder (README: Forking a script), so its
+    Ray workers import common/ from PYTHONPATH."""
+    from test_copied_scripts import copy_and_run
+
+    tmp, steps, _ = learning_run
+    help_proc = copy_and_run(tmp, "grpo.py", ["--help"])
+    assert help_proc.returncode == 0 and "--n_samples_per_prompt" in help_proc.stdout, help_proc.stderr[-3000:]
+    (tmp / "ckpt" / "latest").write_text(f"global_step{RESUME_AT}")
+    args = grpo_args(assets, rl_start_model, tmp / "resumed", *LEARNING_RUN, "--max_steps", LEARNING_STEPS,
+                     "--load_checkpoint", "--ckpt_path", tmp / "ckpt")
+    args[args.index("--eval_dataset"): args.index("--eval_dataset") + 2] = []
+    proc = copy_and_run(tmp, "grpo.py", args, timeout=900)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert "resumed from" in proc.stdout and f"at step {RESUME_AT}" in proc.stdout
+    resumed = {m["step"]: m for m in read_jsonl(tmp / "resumed" / "metrics.jsonl") if "train/reward" in m}
+    assert sorted(resumed) == [29, 30]
+    for step in (29, 30):  # same prompts, same samples (seeded per prompt), same weights and optimizer state
+        assert resumed[step]["train/reward"] == steps[step]["train/reward"]
+        assert abs(resumed[step]["train/policy_loss"] - steps[step]["train/policy_loss"]) <= 1e-5
+    check_vllm_matches_trainer(list(resumed.values()))  # the engine got the resumed weights before step 29
+    assert max_weight_diff(tmp / "out", tmp / "resumed" / "out") <= 1e-5
 
 
 ESTIMATOR_RUNS = {
@@ -370,7 +422,9 @@ def test_skipped_zero_advantage_samples_leave_the_update_unchanged(assets, rl_st
     (--skip_zero_advantage, the default): 3 steps of dr_grpo on 2 ranks (4 micro-batches each per optimizer step)
     end at the weights of the run that computes them (1e-6, fp32). Metrics are token means in every loss mode:
     dr_grpo's train/entropy at step 1 (the start weights, the same samples) equals group_norm's, where dividing by
-    Dr. GRPO's constant normaliser (train_batch_size x generate_max_len) gave a fraction of it."""
+    Dr. GRPO's constant normaliser (train_batch_size x generate_max_len) gave a fraction of it. 16 prompts x 4
+    samples are one optimizer step per rollout (single_update end to end): the old-log-prob forward is skipped and
+    the vLLM check runs on the update's own forward."""
     def args(name, *extra):
         return ["--pretrain", rl_start_model, "--prompt_data", f"{assets}/data/reverse/rl_train.jsonl",
                 "--input_key", "prompt", "--label_key", "answer", "--apply_chat_template", "--remote_rm_url", REWARD,
@@ -389,6 +443,8 @@ def test_skipped_zero_advantage_samples_leave_the_update_unchanged(assets, rl_st
                  ("grpo.py", args("group_norm", "--max_steps", 1), {"timeout": 900})])
     runs = {name: [m for m in read_jsonl(tmp_path / f"{name}.jsonl") if "train/reward" in m]
             for name in ("skip", "plain", "group_norm")}
+    for name in ("skip", "plain"):
+        check_vllm_matches_trainer(runs[name])
     skipped = [m["train/skipped_samples"] for m in runs["skip"]]
     assert sum(skipped) > 0 and all(m["train/skipped_samples"] == 0 for m in runs["plain"]), skipped
     assert [m["train/reward"] for m in runs["skip"]] == [m["train/reward"] for m in runs["plain"]]
@@ -399,29 +455,6 @@ def test_skipped_zero_advantage_samples_leave_the_update_unchanged(assets, rl_st
     assert first[0]["train/reward"] == first[1]["train/reward"]
     assert abs(first[0]["train/entropy"] - first[1]["train/entropy"]) <= 1e-5, first
     assert 0 <= first[0]["train/clip_ratio"] <= 1
-
-
-def test_resume_continues_the_same_run(assets, rl_start_model, tmp_path):
-    """Also the single_update path end to end: 16 prompts x 8 samples = one optimizer step per rollout,
-    so the old-log-prob forward is skipped and the vLLM check runs on the update's own forward."""
-    def run(*extra):
-        args = grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size", 128,
-                         "--actor_learning_rate", 1e-4, "--max_samples", 256, "--max_steps", 4, "--save_steps", 2,
-                         "--ckpt_path", tmp_path / "ckpt", *extra)
-        return run_script("grpo.py", args, timeout=900)
-
-    run()
-    whole = {m["step"]: m for m in read_jsonl(tmp_path / "metrics.jsonl") if "train/reward" in m}
-    (tmp_path / "metrics.jsonl").unlink()
-    (tmp_path / "ckpt" / "latest").write_text("global_step2")  # as if the run had died after saving step 2
-    proc = run("--load_checkpoint")
-    assert "resumed from" in proc.stdout and "at step 2" in proc.stdout
-    resumed = {m["step"]: m for m in read_jsonl(tmp_path / "metrics.jsonl") if "train/reward" in m}
-    assert sorted(resumed) == [3, 4]
-    for step in (3, 4):  # same prompts, same samples (seeded per prompt), same weights and optimizer state
-        assert resumed[step]["train/reward"] == whole[step]["train/reward"]
-        assert abs(resumed[step]["train/policy_loss"] - whole[step]["train/policy_loss"]) <= 1e-5
-    check_vllm_matches_trainer(list(resumed.values()))  # the engine got the resumed weights before step 3
 
 
 def test_bad_input(assets, rl_start_model, tmp_path):
@@ -442,6 +475,7 @@ def test_bad_input(assets, rl_start_model, tmp_path):
     assert "sample" in proc.stderr
 
 
+@pytest.mark.quick
 def test_defaults_resolve_to_the_best_mode_on_one_box(assets):
     """--zero_stage unset: ZeRO-0 in a world of one rank, 2 in a larger one. --vllm_num_engines unset: on CPU one
     engine per core, at most one per prompt and as many as the memory holds beside the trainers; with
@@ -482,6 +516,7 @@ def test_defaults_resolve_to_the_best_mode_on_one_box(assets):
     assert default_num_engines(colocated, 2, 8, 16, plenty) == 2
 
 
+@pytest.mark.quick
 def test_argument_errors_and_reference_options(assets, capsys):
     required = ["--pretrain", f"{assets}/llama-0.5m", "--prompt_data", "d.jsonl", "--remote_rm_url", REWARD,
                 "--prompt_max_len", "48", "--generate_max_len", "16"]

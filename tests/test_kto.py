@@ -30,6 +30,7 @@ def sigmoid(x):
     return 1 / (1 + math.exp(-x))
 
 
+@pytest.mark.quick
 def test_loss_and_kl_reference_point_by_hand():
     kto = load_algo("kto")
     # z: mean log-ratio of the mismatched pairs, [1, 0.5, -1] -> 1/6; clamped at 0 when negative
@@ -54,6 +55,7 @@ def test_loss_and_kl_reference_point_by_hand():
     assert kto.kl_pairs([7, 3, 9]) == [(7, 3), (3, 9), (9, 7)]
 
 
+@pytest.mark.quick
 def test_rows_unpaired_paired_and_bad(assets):
     from transformers import AutoTokenizer
 
@@ -275,6 +277,7 @@ def test_resume_reproduces_uninterrupted_run(assets, sft_model, tmp_path):
     assert max_weight_diff(tmp_path / "resumed", tmp_path / "full") <= 1e-6
 
 
+@pytest.mark.quick
 def test_bad_input_through_the_cli(assets, tmp_path):
     bad = tmp_path / "bad.jsonl"
     good = [{"prompt": "reverse: a b", "completion": "b a", "label": True},

@@ -7,6 +7,8 @@ import torch
 
 from common.packing import collate, pack_sequences, per_sample_sum, token_logps, unpack
 
+pytestmark = pytest.mark.quick  # the quick tier (launch/test.sh --quick)
+
 
 def test_pack_sequences_is_first_fit_decreasing():
     lengths = [7, 5, 5, 4, 3, 3, 2, 1]  # 30 tokens: FFD fills 3 rows of 10 exactly

@@ -20,6 +20,7 @@ REWARD = os.path.join(ROOT, "launch", "rewards", "exact_match.py")
 # ----------------------------------------------------------------------------------------------
 # Pure functions
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.quick
 def test_gae_by_hand():
     rewards, values, mask = torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.5, 0.6, 0.7]), torch.ones(3)
     # gamma = lambda = 1: A_t = R - V_t
@@ -31,6 +32,7 @@ def test_gae_by_hand():
     assert torch.allclose(ppo.gae(rewards, values, mask, 0.9, 0.0), torch.tensor([0.04, 0.03, 0.3]), atol=1e-6)
 
 
+@pytest.mark.quick
 def test_gae_skips_tokens_that_are_not_the_models():
     """Masked tokens (tool output inside a response) are not steps: the advantages of the model's tokens
     are those of GAE over the model's tokens alone, whatever the values and rewards at masked tokens."""
@@ -51,6 +53,7 @@ def test_gae_skips_tokens_that_are_not_the_models():
     assert torch.allclose(tr, torch.tensor([-0.1, 0.8, 0.0, 0.0]), atol=1e-6)
 
 
+@pytest.mark.quick
 def test_decoupled_lambda_returns_and_whitened_advantages():
     rewards = torch.tensor([1.0, 0.0])
     kls = [torch.tensor([0.1, 0.2, 0.3]), torch.zeros(2)]
@@ -73,6 +76,7 @@ def test_decoupled_lambda_returns_and_whitened_advantages():
     assert torch.allclose(ret_g[0], torch.tensor([0.81, 0.9, 1.0]), atol=1e-6)
 
 
+@pytest.mark.quick
 def test_whitening_floors_the_variance():
     """A critic that already predicts the returns leaves raw advantages of ~1e-7: whitening must not scale them up
     to unit size (std + 1e-8 as the divisor gave 2.6); the variance is floored at 1e-8, as OpenRLHF floors it."""
@@ -83,6 +87,7 @@ def test_whitening_floors_the_variance():
     assert torch.cat(adv).abs().max().item() <= 1e-2
 
 
+@pytest.mark.quick
 def test_kl_loss_refuses_k1(assets):
     required = ["--pretrain", f"{assets}/llama-0.5m", "--prompt_data", "d.jsonl", "--remote_rm_url", REWARD,
                 "--prompt_max_len", "48", "--generate_max_len", "16", "--rollout_batch_size", "16",
@@ -92,6 +97,7 @@ def test_kl_loss_refuses_k1(assets):
     assert ppo.parse_args([*required, "--kl_estimator", "k2"]).kl_estimator == "k2"
 
 
+@pytest.mark.quick
 def test_value_loss_clipped_by_hand():
     values, old, returns = torch.tensor([1.0, 0.0, 1.0]), torch.zeros(3), torch.tensor([2.0, 1.0, 0.0])
     loss, clipped = ppo.value_loss(values, old, returns, 0.5)
@@ -105,6 +111,7 @@ def test_value_loss_clipped_by_hand():
     assert ppo.explained_variance(torch.full((3,), 0.3), returns) == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.quick
 def test_critic_values_packed_padded_and_as_sequence_classification(assets, tmp_path):
     """token_values on packed rows = on padded rows (1e-5), and the value before token t is what
     AutoModelForSequenceClassification gives for the prefix ids[:t] (the critic export's own forward)."""
@@ -135,6 +142,7 @@ def test_critic_values_packed_padded_and_as_sequence_classification(assets, tmp_
 # ----------------------------------------------------------------------------------------------
 # Arguments: refused before Ray starts
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.quick
 def test_argument_errors_and_critic_default(assets, tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -347,6 +355,7 @@ def test_deepspeed_sleep_frees_device_memory(assets, zero_stage):
     assert result["max_diff"] <= 1e-4 and result["freed_bytes"] >= 3 * 4 * 400_000, result
 
 
+@pytest.mark.quick
 def test_ptx_loss_mixed_into_the_actor_step(assets):
     """PPO-ptx: with --ptx_coef 0 the step (loss, gradients) is the step without pretraining data; with a
     coefficient the loss is PPO + coef x the LM loss of the ptx micro-batch; optimising it lowers that loss."""

@@ -4,7 +4,11 @@ import importlib.util
 import os
 import textwrap
 
+import pytest
+
 from conftest import ROOT
+
+pytestmark = pytest.mark.quick  # the quick tier (launch/test.sh --quick)
 
 spec = importlib.util.spec_from_file_location("reading_lines", os.path.join(ROOT, "benchmarks", "reading_lines.py"))
 reading_lines = importlib.util.module_from_spec(spec)

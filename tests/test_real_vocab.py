@@ -33,6 +33,7 @@ def real_vocab(tmp_path_factory):
     return bench_real_shape.build_real_shape(str(root / "model"), **SMALL), root / "data" / "reverse"
 
 
+@pytest.mark.quick
 def test_padded_tokenizer(real_vocab):
     """The padded tokenizer has the real size, also as AutoTokenizer loads it beside a Qwen2 config (a
     Qwen2Tokenizer, which adds "<|endoftext|>" as one more id unless the saved unk_token is None), and encodes chat

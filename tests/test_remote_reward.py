@@ -47,6 +47,7 @@ def post(url, body, token=None):
         return e.code, json.loads(e.read())
 
 
+@pytest.mark.quick
 def test_rewards_with_the_token_and_401_without(server, monkeypatch):
     assert make_reward_fn(server.url, token="secret-token")(QUERIES, PROMPTS, LABELS).tolist() == EXPECTED
     monkeypatch.setenv("MINRLHF_REWARD_TOKEN", "secret-token")
@@ -182,6 +183,7 @@ class ScriptedHandler(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.quick
 def test_client_retries_a_server_that_fails_twice_with_500():
     calls = []
 
@@ -204,6 +206,7 @@ def test_client_retries_a_server_that_fails_twice_with_500():
         srv.shutdown()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("failure", ["close", "slow"])
 def test_client_retries_dropped_connections_and_timeouts(failure):
     srv = ScriptedServer([failure, failure, "ok"])
@@ -214,6 +217,7 @@ def test_client_retries_dropped_connections_and_timeouts(failure):
         srv.shutdown()
 
 
+@pytest.mark.quick
 def test_client_stops_with_a_clear_error_when_no_server_listens():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -224,6 +228,7 @@ def test_client_stops_with_a_clear_error_when_no_server_listens():
     assert time.time() - start < 5
 
 
+@pytest.mark.quick
 def test_reply_of_the_wrong_length_is_an_error():
     srv = ScriptedServer(["short"])
     try:
@@ -234,6 +239,7 @@ def test_reply_of_the_wrong_length_is_an_error():
         srv.shutdown()
 
 
+@pytest.mark.quick
 def test_reward_file_errors_name_the_file_and_the_sample(tmp_path):
     path = tmp_path / "parse_float.py"
     path.write_text("def reward_func(queries, prompts, labels):\n    return [float(label) for label in labels]\n")
@@ -260,6 +266,7 @@ def test_reward_file_errors_name_the_file_and_the_sample(tmp_path):
         make_reward_fn(str(nan))(QUERIES + QUERIES[:1], PROMPTS + PROMPTS[:1], LABELS + LABELS[:1])
 
 
+@pytest.mark.quick
 def test_reward_file_without_reward_func(tmp_path):
     path = tmp_path / "reward.py"
     path.write_text("def score(queries):\n    return [0.0] * len(queries)\n")

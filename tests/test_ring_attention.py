@@ -116,6 +116,7 @@ def test_one_deepspeed_step_with_a_ring_equals_one_process(ring_results):
         assert got["ds_train_batch_size"] == 2 and got["gas"] == 1  # DeepSpeed counts both ring ranks
 
 
+@pytest.mark.quick
 def test_ring_flash_attn_imports_over_the_cpu_kernels_only_while_it_imports():
     from transformers.utils import is_flash_attn_2_available
 
@@ -128,6 +129,7 @@ def test_ring_flash_attn_imports_over_the_cpu_kernels_only_while_it_imports():
     assert cu_q.tolist() == [0, 3, 10, 12] and cu_k.tolist() == [0, 10, 17, 19] and k_slice == slice(5, 24)
 
 
+@pytest.mark.quick
 def test_bad_ring_arguments_fail_naming_the_flag():
     from types import SimpleNamespace
 
@@ -155,6 +157,7 @@ def test_bad_ring_arguments_fail_naming_the_flag():
     assert validate_ring_args(RingArgs(), 4, ModelArgs(pretrain="m"), data) == 4
 
 
+@pytest.mark.quick
 def test_models_the_ring_cannot_run_fail_before_training():
     from transformers import AutoModelForCausalLM, BloomConfig
 
@@ -303,6 +306,7 @@ def _ring_split_tensors(rank, size=2, heads=8, kv_heads=2, dim=64, dtype=torch.b
     return (q[local], k[k_slice], v[k_slice], dout), cu_q, cu_k, max_q, max_k
 
 
+@pytest.mark.quick
 def test_cpu_kernels_in_flash_attn_contract_run_bf16_on_the_ring_splits():
     """The CPU half of the GPU check below, on CPU: the stand-ins, called the way ring-flash-attn calls flash-attn,
     give in bf16 what they give in fp32 on both ranks' splits, to bf16 tolerance."""
@@ -316,6 +320,7 @@ def test_cpu_kernels_in_flash_attn_contract_run_bf16_on_the_ring_splits():
             assert b.abs().max() > 0 and (a - b).abs().max().item() <= 2e-2 * max(1.0, b.abs().max().item()), name
 
 
+@pytest.mark.quick
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn's varlen kernels need CUDA")
 def test_cpu_kernels_match_flash_attn_on_the_ring_splits():

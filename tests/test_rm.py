@@ -81,6 +81,7 @@ def rm_start(sft_model, tmp_path_factory):
 # ----------------------------------------------------------------------------------------------
 # Losses against hand-computed values
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.quick
 def test_pairwise_loss_hand_computed():
     rm = load_algo("rm")
     chosen, rejected = torch.tensor([1.0, 0.0, -0.5]), torch.tensor([0.0, 0.0, 0.5])
@@ -95,6 +96,7 @@ def test_pairwise_loss_hand_computed():
     assert abs(expected[0] - 0.4740770) < 1e-7 and abs(expected[2] - 2.1269280) < 1e-7
 
 
+@pytest.mark.quick
 def test_prm_loss_hand_computed():
     rm = load_algo("rm")
     logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 2.0]])
@@ -104,6 +106,7 @@ def test_prm_loss_hand_computed():
     assert torch.allclose(rm.prm_loss(logits, targets), expected, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_prm_loss_only_at_step_tags(assets):
     """forward_loss on a packed batch of soft-labelled rows (read through datasets as rm.py does)
     equals the cross-entropy computed by hand from each row's own unpacked forward at its tags."""
@@ -174,6 +177,7 @@ def test_packed_rewards_equal_padded_and_hf(assets, rm_start):
     assert (score([model, model], seqs[:5], weights=[1.0, 0.5]) - 1.5 * hf[:5]).abs().max().item() <= 1e-4
 
 
+@pytest.mark.quick
 def test_reward_index_is_each_samples_own_last_token():
     """The reward is read at each sample's own last token, whatever the pad id: with a tokenizer whose pad token is
     its EOS (id 1 here), a finished response (ending in EOS) and a truncated one (no EOS) are read at different
@@ -368,6 +372,7 @@ def test_score_with_zero3_eval_engine(rm_start, tmp_path):
 # ----------------------------------------------------------------------------------------------
 # Bad input and argument errors
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.quick
 def test_bad_rows(assets, tmp_path):
     from transformers import AutoTokenizer
 
@@ -419,6 +424,7 @@ def test_bad_rows(assets, tmp_path):
     assert len(kept) == 1
 
 
+@pytest.mark.quick
 def test_argument_errors(assets, monkeypatch):
     rm = load_algo("rm")
     required = ["--pretrain", "m", "--dataset", "d.jsonl"]

@@ -14,6 +14,8 @@ from common.kernels.varlen_attention import (
     NAME, SampleBlocks, batch_plan, cu_seqlens_from_position_ids, varlen_backward, varlen_forward,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier (launch/test.sh --quick)
+
 
 def reference_attention(q, k, v, cu_q, cu_k, scale):
     """Masked softmax attention per sample, bottom-right causal, in float64 (autograd gives the gradients)."""

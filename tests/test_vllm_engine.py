@@ -56,6 +56,7 @@ def test_unsupported_architecture_names_it_and_suggests_the_hf_backend(assets, t
     assert AutoModelForCausalLM.from_pretrained(path).config.architectures == ["MadeUpForCausalLM"]
 
 
+@pytest.mark.quick
 def test_kv_cache_budget_is_sized_from_the_run_not_the_machine(assets, tmp_path, monkeypatch):
     """The CPU KV cache is keys + values of every layer for --vllm_max_num_seqs sequences of
     --max_model_len tokens (rounded up to vLLM's 128-token CPU blocks), +10 %: hand-computed for the
@@ -116,6 +117,7 @@ def test_seeded_rollout_larger_than_one_step_does_not_crash(tiny, llm):
     assert [s.output_ids for s in alone[0]] == [s.output_ids for s in together[17]]
 
 
+@pytest.mark.quick
 def test_max_model_len_checked_against_the_model(tiny):
     """The default is what the run needs, capped by the model's max_position_embeddings (512 for the
     tiny models); an explicit value above it fails naming both numbers."""
