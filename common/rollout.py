@@ -236,10 +236,14 @@ def compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer)
     total = torch.zeros(len(queries))
     if reward_fn is not None:
         total += reward_fn(queries, prompt_texts, labels)
-    if reward_models is not None:  # the RM reads prompt + response + EOS, as rm.py trained it
-        texts = [p["prompt_text"] + tokenizer.decode(s.output_ids) for p, g in zip(prompts, groups) for s in g]
-        total += torch.tensor(roles.get(reward_models.score.remote(texts)))
+    if reward_models is not None:  # the RM reads the ids rm.py trained it on (common.data.reward_model_ids)
+        total += torch.tensor(roles.get(reward_models.score.remote(prompt_texts, response_texts(groups, tokenizer))))
     return total.view(len(prompts), -1)
+
+
+def response_texts(groups, tokenizer):
+    """Each sampled response as the reward models read it: its ids' text, the EOS of a finished one included."""
+    return [tokenizer.decode(s.output_ids) for g in groups for s in g]
 
 
 def carries_loss(sample, mask_truncated):

@@ -453,3 +453,55 @@ def test_argument_errors(assets, monkeypatch):
 
 if __name__ == "__main__":
     zero3_score_worker(*sys.argv[1:])
+
+
+def test_reward_models_score_the_ids_rm_py_trains_on(assets, tmp_path):
+    """With a tokenizer that adds BOS (Llama's, Mistral's) and no chat template, generate.py and the RL rollout's
+    reward-model actor score prompt + response as the very ids rm.py trained the model on: BOS first."""
+    from tokenizers import processors
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from common.data import format_prompt, format_response
+    from common.infra.cluster import RewardModels
+    from common.infra.vllm_engine import Sample
+
+    tokenizer = AutoTokenizer.from_pretrained(f"{assets}/llama-0.5m")
+    bos = "<|system|>"  # a special token no text encodes to stands in for <s>
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tokenizer.convert_tokens_to_ids(bos))])
+    tokenizer.bos_token = bos
+    rm_dir = str(tmp_path / "rm")
+    AutoModelForSequenceClassification.from_pretrained(f"{assets}/llama-0.5m", num_labels=1).save_pretrained(rm_dir)
+    tokenizer.save_pretrained(rm_dir)
+    prompt, response = "reverse: abc", "cba"
+
+    rm = load_algo("rm")
+    rm_args = rm.parse_args(["--pretrain", rm_dir, "--dataset", "d.jsonl", "--prompt_key", "prompt", "--max_len", "64"])
+    trained = rm.pair_row({"prompt": prompt, "chosen": response, "rejected": "bca"}, tokenizer, rm_args)["chosen_ids"]
+    assert trained[0] == tokenizer.bos_token_id and trained[-1] == tokenizer.eos_token_id
+
+    def scored_ids(model, call):
+        seen = []
+        hook = model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"][0].tolist()),
+                                               with_kwargs=True)
+        call()
+        hook.remove()
+        return seen
+
+    gen = load_algo("generate")
+    gen_args = gen.parse_args(["--pretrain", rm_dir, "--dataset", "d.jsonl", "--output_path", "o.jsonl",
+                               "--reward_pretrain", rm_dir])
+    data_args = DataArgs(dataset="d.jsonl")
+    chunk = [{"prompt": prompt, "prompt_text": format_prompt(prompt, tokenizer, data_args), "label": None}]
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    assert scored_ids(model, lambda: gen.compute_rewards(gen_args, chunk, [[response]], [model], tokenizer, data_args,
+                                                         None)) == [trained]
+
+    # the rollout: the policy's ids (BOS prompt, response + EOS) -> the reward-model actor's texts -> its ids
+    from common.rollout import response_texts
+
+    actor = RewardModels([rm_dir], normalize=False, apply_chat_template=False)
+    response_ids = tokenizer(format_response(prompt, response, tokenizer, data_args), add_special_tokens=False)
+    sample = Sample(tokenizer(prompt)["input_ids"], response_ids["input_ids"], response, [0.0] * 3, "stop")
+    rollout_scoring = lambda: actor.score([prompt], response_texts([[sample]], tokenizer))  # noqa: E731
+    assert scored_ids(actor.models[0], rollout_scoring) == [trained]

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from common.data import BadRow, format_prompt, validate_prompt_args
+from common.data import BadRow, format_prompt, reward_model_ids, validate_prompt_args
 from common.episodes import episode_tokens, load_env, validate_agent_args
 from common.infra.datasets import load_one
 from common.infra.engine import ModelArgs, free_port, init_distributed, set_seed, uses_bf16
@@ -310,7 +310,7 @@ def start_reward_models(args, roles, cpus, gpus, strategy=None):
         return None
     return roles.add("reward models", actor_class(RewardModels).options(
         num_cpus=cpus, num_gpus=gpus, **({"scheduling_strategy": strategy} if strategy else {})).remote(
-        [p for p in args.reward_pretrain.split(",") if p], args.normalize_reward))
+        [p for p in args.reward_pretrain.split(",") if p], args.normalize_reward, args.apply_chat_template))
 
 
 def start_group(roles, members, *setup_args):
@@ -322,18 +322,21 @@ def start_group(roles, members, *setup_args):
 
 
 class RewardModels:
-    """Reward models from rm.py in their own Ray actor: one summed score per text."""
+    """Reward models from rm.py in their own Ray actor: one summed score per prompt and response text."""
 
-    def __init__(self, paths, normalize):
+    def __init__(self, paths, normalize, apply_chat_template):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.models = [AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
         self.tokenizer, self.normalize = AutoTokenizer.from_pretrained(paths[0]), normalize
+        self.apply_chat_template = apply_chat_template
 
-    def score(self, texts):
+    def score(self, prompt_texts, responses):
         from common.infra.reward import score
 
-        return score(self.models, texts, self.tokenizer, normalize=self.normalize).tolist()
+        chat = self.apply_chat_template
+        ids = [reward_model_ids(self.tokenizer, p, r, chat) for p, r in zip(prompt_texts, responses)]
+        return score(self.models, ids, normalize=self.normalize).tolist()
 
 
 def reward_function(args):
