@@ -117,6 +117,10 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
 
 def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
+    if args.dynamic_filtering and (args.n_samples_per_prompt < 2 or args.advantage_estimator == "reinforce"):
+        raise ValueError("--dynamic_filtering drops groups whose samples all got the same reward, which carry no "
+                         "signal only beside a group baseline: not with --n_samples_per_prompt 1 nor "
+                         "--advantage_estimator reinforce (whitened over the whole batch)")
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
     dp_world = validate_ring_args(args.ring, world, args.model)  # trainer ranks / ring size
     args.model = ring_model_args(args.model, args.ring)  # the ring is the attention implementation

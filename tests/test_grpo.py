@@ -481,6 +481,26 @@ def test_defaults_resolve_to_the_best_mode_on_one_box(assets):
     assert default_num_engines(colocated, 2, 8, 16, plenty) == 2
 
 
+def test_dynamic_filtering_needs_a_group_baseline(assets):
+    """--dynamic_filtering drops groups of equal rewards, which carry no signal only beside a group baseline: with
+    one sample per prompt or the reinforce estimator (whitened over the batch) it would drop every group or good
+    ones. Refused at parsing, before the model, the reward file or the prompts are read (none of them exists)."""
+    missing = ["--pretrain", "no/model", "--prompt_data", "no.jsonl", "--remote_rm_url", "no_reward.py",
+               "--dynamic_filtering", "--rollout_batch_size", "4", "--micro_rollout_batch_size", "4",
+               "--micro_train_batch_size", "4"]
+    for extra in (["--n_samples_per_prompt", "1", "--train_batch_size", "4", "--advantage_estimator", "reinforce"],
+                  ["--n_samples_per_prompt", "1", "--train_batch_size", "4"],
+                  ["--n_samples_per_prompt", "2", "--train_batch_size", "8", "--advantage_estimator", "reinforce"]):
+        with pytest.raises(ValueError, match=r"--dynamic_filtering drops .* group baseline: not with "
+                                             r"--n_samples_per_prompt 1 nor --advantage_estimator reinforce"):
+            grpo.parse_args([*missing, *extra])
+    args = grpo.parse_args(["--pretrain", f"{assets}/llama-0.5m", "--prompt_data", "d.jsonl", "--remote_rm_url",
+                            REWARD, *missing[6:], "--n_samples_per_prompt", "2", "--train_batch_size", "8",
+                            "--advantage_estimator", "reinforce_baseline", "--prompt_max_len", "48",
+                            "--generate_max_len", "16"])
+    assert args.dynamic_filtering and args.n_samples_per_prompt == 2
+
+
 def test_argument_errors_and_reference_options(assets, capsys):
     required = ["--pretrain", f"{assets}/llama-0.5m", "--prompt_data", "d.jsonl", "--remote_rm_url", REWARD,
                 "--prompt_max_len", "48", "--generate_max_len", "16"]
