@@ -28,8 +28,9 @@ Differences from OpenRLHF, on purpose: --init_kl_coef defaults to 0 (no referenc
 recipes with verifiable rewards now run); `dr_grpo` also uses Dr. GRPO's constant loss normaliser
 (OpenRLHF keeps the token mean); group statistics are float64 and a group whose rewards are equal up to
 round-off gets advantage 0 (OpenRLHF divides by std + 1e-9, which turns float32 round-off of equal rewards
-into full-size advantages); masked samples (rejected episodes, truncated responses under
---mask_truncated_responses) set no group baseline and no whitening statistic; --use_kl_loss refuses k1
+into full-size advantages); rejected episodes set no group baseline, and masked samples (those, and truncated
+responses under --mask_truncated_responses, whose rewards stay in the group as in DAPO) no whitening statistic;
+--use_kl_loss refuses k1
 (as a loss its expected gradient is 0); samples whose advantages are all 0 skip the forward and backward
 (the update is the same); rewards are clipped before the group baseline; --vllm_is_truncation is
 one-sided; log-probs are of the untempered policy (the temperature only shapes sampling), and vLLM's
@@ -179,17 +180,18 @@ def returns_to_go(token_rewards, gamma):
     return out
 
 
-def compute_advantages(rewards, kl_penalties, estimator, gamma=1.0, valid=None):
+def compute_advantages(rewards, kl_penalties, estimator, gamma=1.0, valid=None, counted=None):
     """Per-token advantages of every sample.
 
     rewards: (prompts, n) scalar rewards; kl_penalties: prompts x n 1-D tensors, beta x KL_t per
     response token (zeros when the KL is not in the reward); valid: (prompts, n) bool, the samples that
-    carry loss (default: all; the others get 0 and set no baseline or whitening statistic). Token rewards
+    carry loss (default: all; the others get 0 and set no whitening statistic); counted: (prompts, n) bool, the
+    samples whose rewards set their group's baseline (default: `valid`). Token rewards
     are -beta x KL_t plus the group-relative scalar at the last token; advantages are their returns-to-go
     (gamma only for reinforce), whitened over all valid tokens of the rollout for reinforce and
     reinforce_baseline."""
     valid = torch.ones(rewards.shape, dtype=torch.bool) if valid is None else valid
-    scalars = group_baseline(rewards, estimator, valid).flatten()
+    scalars = group_baseline(rewards, estimator, valid if counted is None else counted).flatten()
     g = gamma if estimator == "reinforce" else 1.0
     advantages = []
     for s, kl, keep in zip(scalars, kl_penalties, valid.flatten()):
@@ -208,15 +210,17 @@ def sample_advantages(samples, rewards, args):
     """Per-response-token advantages of each sample (rewards: (prompts, n)). Only the model's tokens take part
     (their KL penalties, returns-to-go, the whitening); an episode's environment tokens get 0 and can never change
     the advantages of the model's tokens. Masked samples (rejected, or truncated under --mask_truncated_responses)
-    get 0 and take no part in their group's baseline or the whitening."""
+    get 0 and take no part in the whitening; a truncated response's reward still counts in its group's baseline
+    (DAPO's overlong filtering masks only its loss), a rejected episode's does not."""
     kl_in_reward = args.init_kl_coef > 0 and not args.use_kl_loss
     masks = [model_tokens(s) for s in samples]
     kls = [args.init_kl_coef * approx_kl(torch.tensor(s["old_logps"])[m], torch.tensor(s["ref_logps"])[m],
                                          args.kl_estimator)
            if kl_in_reward else torch.zeros(int(m.sum())) for s, m in zip(samples, masks)]
     valid = torch.tensor([not s.get("masked") for s in samples]).view(rewards.shape)
+    counted = torch.tensor([not s.get("rejected") for s in samples]).view(rewards.shape)
     out = []
-    for m, a in zip(masks, compute_advantages(rewards, kls, args.advantage_estimator, args.gamma, valid)):
+    for m, a in zip(masks, compute_advantages(rewards, kls, args.advantage_estimator, args.gamma, valid, counted)):
         full = torch.zeros(len(m))
         full[m] = a
         out.append(full)
@@ -573,7 +577,7 @@ def main(args: Args):
         phases.update(1)
 
         # 4. advantages (driver, over the whole rollout; only the model's tokens)
-        rewards = torch.tensor([s["reward"] for s in samples]).clamp(*args.reward_clip_range).view(-1, n)
+        rewards = torch.tensor([s["reward"] for s in samples]).view(-1, n)
         for s, a in zip(samples, sample_advantages(samples, rewards, args)):
             s["advantages"] = a.tolist()
 

@@ -777,7 +777,7 @@ def main(args: Args):
         phases.update(1)
 
         # 4. per-token rewards -> GAE advantages (lambd) and returns (lambd_critic), on the driver
-        rewards = torch.tensor([s["reward"] for s in samples]).clamp(*args.reward_clip_range)
+        rewards = torch.tensor([s["reward"] for s in samples])
         kl_in_reward = args.init_kl_coef > 0 and not args.use_kl_loss
         kls = [args.init_kl_coef * approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]),
                                              args.kl_estimator)

@@ -97,7 +97,8 @@ def test_masked_samples_set_no_baseline_and_no_whitening():
         with_masked = grpo.compute_advantages(rewards, kls, estimator, valid=valid)
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(alone, with_masked[:3])), estimator
         assert with_masked[3].abs().max().item() == 0.0
-    samples = [{"response_ids": [5, 6], "old_logps": [0.0] * 2, "masked": m} for m in (False, False, False, True)]
+    samples = [{"response_ids": [5, 6], "old_logps": [0.0] * 2, "masked": m, "rejected": m}
+               for m in (False, False, False, True)]
     adv = grpo.sample_advantages(samples, torch.tensor([[1.0, 1.0, 1.0, 0.0]]), grpo.Args())
     assert torch.cat(adv).abs().max().item() == 0.0
 
@@ -112,6 +113,52 @@ def test_dynamic_filtering_judges_a_group_by_its_unmasked_samples():
     assert no_signal(torch.tensor([1.0, 0.0]), torch.tensor([True, False]))  # one live sample: nothing to compare
     finished, cut = Sample([0], [1], "", [0.0], "stop"), Sample([0], [1], "", [0.0], "length")
     assert carries_loss(finished, True) and carries_loss(cut, False) and not carries_loss(cut, True)
+
+
+def test_dynamic_filtering_judges_the_rewards_the_advantages_read():
+    """The filter reads each reward less the overlong penalty, clipped by --reward_clip_range, as the advantages
+    do: four raw 1s with penalties 0, 0.5, 1, 1 carry signal and stay; reward-model scores that all clip to the
+    bound carry none and go. Its verdict is whether the group baseline gives any sample a non-zero advantage."""
+    from common.infra.vllm_engine import Sample
+    from common.rollout import advantage_rewards, carries_signal
+
+    args = grpo.Args(generate_max_len=10, overlong_buffer_len=4, overlong_penalty_factor=1.0,
+                     reward_clip_range=(-10.0, 10.0))
+
+    def group(*lengths, finish="stop"):
+        return [Sample([0], [1] * k, "", [0.0] * k, finish) for k in lengths]
+
+    lengths = group(6, 8, 10, 10)  # 0, 2 and 4 tokens into the buffer of 4
+    shaped = advantage_rewards(lengths, torch.tensor([1.0, 1.0, 1.0, 1.0]), args)
+    assert shaped.tolist() == [1.0, 0.5, 0.0, 0.0] and carries_signal(lengths, torch.ones(4), args)
+    clipped = advantage_rewards(group(3, 3, 3), torch.tensor([12.0, 15.0, 30.0]), args)
+    assert clipped.tolist() == [10.0, 10.0, 10.0] and not carries_signal(group(3, 3, 3), torch.tensor([12.0, 15, 30]),
+                                                                         args)
+    for g, raw in ((lengths, torch.ones(4)), (group(3, 3, 3), torch.tensor([12.0, 15, 30])),
+                   (group(3, 3), torch.tensor([9.0, 11.0])), (group(3, 10), torch.tensor([1.0, 2.0]))):
+        advantages = grpo.group_baseline(advantage_rewards(g, raw, args).view(1, -1), "group_norm")
+        assert carries_signal(g, raw, args) == bool(advantages.abs().max() > 0), raw
+
+
+def test_truncated_responses_keep_their_rewards_in_the_group():
+    """DAPO's overlong filtering under --mask_truncated_responses: a truncated response carries no loss, but its
+    reward stays in the group's statistics. One finished right answer and seven truncated wrong ones: the right one
+    gets (1 - 1/8) / std = +2.47 (not 0) and the group is kept; only rejected episodes leave the statistics."""
+    from common.infra.vllm_engine import Sample
+
+    args = grpo.Args(mask_truncated_responses=True, generate_max_len=4)
+    group = [Sample([0], [1, 2], "", [0.0] * 2, "stop")] + [Sample([0], [1] * 4, "", [0.0] * 4, "length")] * 7
+    rewards = torch.tensor([1.0] + [0.0] * 7)
+    samples = [{"response_ids": s.output_ids, "old_logps": [0.0] * len(s.output_ids),
+                "masked": s.finish_reason == "length"} for s in group]
+    adv = grpo.sample_advantages(samples, rewards.view(1, -1), args)
+    want = (1 - 1 / 8) / torch.tensor([1.0] + [0.0] * 7).std().item()
+    assert abs(adv[0][-1].item() - want) < 1e-5 and abs(want - 2.4749) < 1e-4
+    assert all(a.abs().max().item() == 0.0 for a in adv[1:])  # no loss on the truncated ones
+    from common.rollout import carries_signal
+
+    assert carries_signal(group, rewards, args)
+    assert not carries_signal(group[1:], rewards[1:], args)  # seven truncated equal rewards: nothing to learn
 
 
 def test_zero_advantage_samples_leave_the_micro_batches():
