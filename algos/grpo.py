@@ -260,7 +260,7 @@ def check_loss_flags(args):
                          "KL(policy||ref))")
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
-    if off_policy(args):  # samples one update old: the clip is the trust region that keeps that stable
+    if off_policy(args):  # samples up to K updates old: the clip is the trust region that keeps that stable
         eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
         if not (0 < eps_low < 1 and 0 < eps_high < 1):
             raise ValueError(f"--async_train with --max_staleness {args.async_rollout.max_staleness} needs a clipped "
@@ -533,9 +533,9 @@ def main(args: Args):
         return collect_rollout(args, roles, engines, prompts, start, version, reward_fn, reward_models, tokenizer,
                                env_cls)
 
-    one_behind = off_policy(args)  # samples from the weights one update before the trainer's (--async_train)
+    stale = off_policy(args)  # samples from weights up to K updates before the trainer's (--async_train)
     rollouts = None  # synchronous: each step's rollout is collected when the step asks for it
-    if one_behind:  # --async_train: a thread collects the next steps' rollouts while the trainer updates
+    if stale:  # --async_train: a thread collects the next steps' rollouts while the trainer updates
         from common.async_rollouts import Rollouts
 
         rollouts = Rollouts(args, collect, state["global_step"], total_steps, state["consumed_prompts"])
@@ -560,7 +560,7 @@ def main(args: Args):
         # 3. log-probs before the update: policy (old, unless single_update or off-policy) and reference;
         # each ring its contiguous shard (trainer rank r is in ring r // ring size; its first rank answers)
         t0 = time.time()
-        shard, policy_pass = per_step // (world // ring_size), not single_update(args) and not one_behind
+        shard, policy_pass = per_step // (world // ring_size), not single_update(args) and not stale
         if policy_pass or args.init_kl_coef > 0:
             outs = roles.get([t.logprobs.remote(samples[r // ring_size * shard : (r // ring_size + 1) * shard],
                                                 policy_pass) for r, t in enumerate(trainers)])[::ring_size]
@@ -570,7 +570,7 @@ def main(args: Args):
                         s["old_logps"] = out["old_logps"][k]
                     if out["ref_logps"]:
                         s["ref_logps"] = out["ref_logps"][k]
-        if one_behind:  # the behaviour policy: the weights that sampled them, one update before the trainer's
+        if stale:  # the behaviour policy: the weights that sampled them, up to K updates before the trainer's
             for s in samples:
                 s["old_logps"] = s["vllm_logps"]
         phase("logprobs", t0)
@@ -608,7 +608,7 @@ def main(args: Args):
         metrics = {**rollout_metrics(rollout, samples, raw_rewards, step),
                    "perf/sync_mb": sync["bytes"] / 2**20, "perf/samples_per_s": per_step / (time.time() - t_step),
                    **timing, **{f"train/{k}": v for k, v in train_metrics.items()}}
-        if not one_behind:  # the trainer's log-probs before the update vs vLLM's on the same weights
+        if not stale:  # the trainer's log-probs before the update vs vLLM's on the same weights
             metrics["check/vllm_logp_max_abs_diff"] = vllm_diff
         metrics.update(kl_to_reference(samples))
         bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")

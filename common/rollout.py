@@ -146,7 +146,8 @@ class RLArgs:
     than 1 it trains on samples of another distribution, uncorrected (a warning says so; OpenRLHF divides the
     logits by it)."""
     top_p: float = 1.0
-    """Rollout nucleus sampling mass."""
+    """Rollout nucleus sampling mass. Below 1 the update, reading the whole policy's log-probs, trains on samples of
+    another distribution, uncorrected (a warning says so)."""
     dynamic_filtering: bool = False
     """DAPO dynamic sampling: drop groups whose rewards as the advantages read them (less the overlong penalty,
     clipped) are all equal, or none of whose samples carries loss, and sample new prompts to refill the batch. The

@@ -576,6 +576,10 @@ def test_argument_errors_and_reference_options(assets, capsys):
     capsys.readouterr()
     grpo.parse_args([*required, "--temperature", "0.7"])
     assert "warning: --temperature 0.7: the update reads the untempered policy" in capsys.readouterr().err
+    grpo.parse_args([*required, "--top_p", "0.9"])  # nucleus sampling: vLLM's log-probs are the whole policy's
+    assert "warning: --top_p 0.9: the update reads the whole policy's log-probs" in capsys.readouterr().err
+    grpo.parse_args(required)
+    assert "warning" not in capsys.readouterr().err
     with pytest.raises(SystemExit):
         grpo.parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
