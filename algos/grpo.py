@@ -30,11 +30,10 @@ recipes with verifiable rewards now run); `dr_grpo` also uses Dr. GRPO's constan
 round-off gets advantage 0 (OpenRLHF divides by std + 1e-9, which turns float32 round-off of equal rewards
 into full-size advantages); rejected episodes set no group baseline, and masked samples (those, and truncated
 responses under --mask_truncated_responses, whose rewards stay in the group as in DAPO) no whitening statistic;
---use_kl_loss refuses k1
-(as a loss its expected gradient is 0); samples whose advantages are all 0 skip the forward and backward
-(the update is the same); rewards are clipped before the group baseline; --vllm_is_truncation is
-one-sided; log-probs are of the untempered policy (the temperature only shapes sampling), and vLLM's
-log-probs of the sampled tokens are checked against the trainer's every step
+--use_kl_loss refuses k1 (as a loss its expected gradient is 0); samples whose advantages are all 0 skip the
+forward and backward (the update is the same); rewards are clipped before the group baseline;
+--vllm_is_truncation is one-sided; log-probs are of the untempered policy (the temperature only shapes
+sampling), and vLLM's log-probs of the sampled tokens are checked against the trainer's every step
 (`check/vllm_logp_max_abs_diff`).
 """
 

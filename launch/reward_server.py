@@ -117,7 +117,8 @@ class ServeArgs:
     reward_pretrain: Optional[str] = None
     """Comma list of reward models (rm.py exports) to serve, rewards summed; the tokenizer is the first's. Each
     query is its prompt (which must begin it) and a response, read as rm.py trained on them: the prompt with the
-    tokenizer's special tokens (a BOS) unless --apply_chat_template, the response with an EOS at its end."""
+    tokenizer's special tokens (a BOS) and the response + EOS, or under --apply_chat_template both as sent (send
+    the template's end of turn)."""
     normalize_reward: bool = False
     """With --reward_pretrain: normalise each model's output with the mean/std rm.py stored in its config."""
     apply_chat_template: bool = False
@@ -153,7 +154,8 @@ def reward_fn_from_args(args: ServeArgs):
                 raise ValueError(f"query {i}: the reward models read its prompt apart (rm.py's rule), so 'prompts' "
                                  f"must hold it and the query begin with it; got prompt {prompt!r}")
             response = query[len(prompt):]
-            response += "" if response.endswith(tokenizer.eos_token) else tokenizer.eos_token  # as rm.py trains
+            if not (args.apply_chat_template or response.endswith(tokenizer.eos_token)):
+                response += tokenizer.eos_token  # rm.py's plain response + EOS (format_response)
             ids.append(reward_model_ids(tokenizer, prompt, response, args.apply_chat_template))
         return score(models, ids, normalize=args.normalize_reward)
 

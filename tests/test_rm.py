@@ -456,8 +456,9 @@ if __name__ == "__main__":
 
 
 def test_reward_models_score_the_ids_rm_py_trains_on(assets, tmp_path):
-    """With a tokenizer that adds BOS (Llama's, Mistral's) and no chat template, generate.py and the RL rollout's
-    reward-model actor score prompt + response as the very ids rm.py trained the model on: BOS first."""
+    """With a tokenizer that adds BOS (Llama's, Mistral's) and no chat template, generate.py, the RL rollout's
+    reward-model actor and the reward server score prompt + response as the very ids rm.py trained the model on:
+    BOS first, EOS last."""
     from tokenizers import processors
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -505,3 +506,9 @@ def test_reward_models_score_the_ids_rm_py_trains_on(assets, tmp_path):
     sample = Sample(tokenizer(prompt)["input_ids"], response_ids["input_ids"], response, [0.0] * 3, "stop")
     rollout_scoring = lambda: actor.score([prompt], response_texts([[sample]], tokenizer))  # noqa: E731
     assert scored_ids(actor.models[0], rollout_scoring) == [trained]
+
+    # the reward server: the query prompt + response text, the prompt given apart (as the RL and generate clients do)
+    from launch.reward_server import ServeArgs, reward_fn_from_args
+
+    served = reward_fn_from_args(ServeArgs(reward_pretrain=rm_dir))([prompt + response], [prompt], [None])
+    assert torch.allclose(served, score(model, [trained]), atol=1e-6)
