@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 import torch
 import tyro
 
+from common.data import format_response
 from common.episodes import AgentArgs, Episode, episode_sample, run_episodes
 from common.infra.cluster import ClusterArgs, generate
 from common.infra.engine import CkptArgs, ModelArgs, TrainArgs
@@ -231,7 +232,7 @@ def make_batch(samples, pad_id, max_tokens, one_row, values=(), share_prompt=Fal
 # ----------------------------------------------------------------------------------------------
 
 
-def compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer):
+def compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer, args):
     """One scalar reward per sample, shape (prompts, n): reward file / URL plus reward models."""
     queries = [p["prompt_text"] + s.text for p, g in zip(prompts, groups) for s in g]
     prompt_texts = [p["prompt_text"] for p, g in zip(prompts, groups) for _ in g]
@@ -240,13 +241,16 @@ def compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer)
     if reward_fn is not None:
         total += reward_fn(queries, prompt_texts, labels)
     if reward_models is not None:  # the RM reads the ids rm.py trained it on (common.data.reward_model_ids)
-        total += torch.tensor(roles.get(reward_models.score.remote(prompt_texts, response_texts(groups, tokenizer))))
+        responses = response_texts(prompts, groups, tokenizer, args)
+        total += torch.tensor(roles.get(reward_models.score.remote(prompt_texts, responses)))
     return total.view(len(prompts), -1)
 
 
-def response_texts(groups, tokenizer):
-    """Each sampled response as the reward models read it: its ids' text, the EOS of a finished one included."""
-    return [tokenizer.decode(s.output_ids) for g in groups for s in g]
+def response_texts(prompts, groups, tokenizer, args):
+    """Each sampled response as the reward models read it: a finished one as rm.py formats a response (+ EOS, or
+    the chat template's end of turn), a truncated one as it was cut off."""
+    return [format_response(p["raw"], s.text, tokenizer, args) if s.finish_reason == "stop" else s.text
+            for p, g in zip(prompts, groups) for s in g]
 
 
 def carries_loss(sample, mask_truncated):
@@ -303,7 +307,7 @@ def rollout_groups(args, roles, engines, prompts, n, temperature, top_p, seeds, 
     groups = generate(roles, engines, [p["prompt_ids"] for p in prompts], sampling, seeds, timeout_s)
     timing["time/generate"] = timing.get("time/generate", 0.0) + time.time() - t0
     t0 = time.time()
-    rewards = compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer)
+    rewards = compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer, args)
     timing["time/reward"] = timing.get("time/reward", 0.0) + time.time() - t0
     return groups, rewards
 

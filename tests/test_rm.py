@@ -456,9 +456,9 @@ if __name__ == "__main__":
 
 
 def test_reward_models_score_the_ids_rm_py_trains_on(assets, tmp_path):
-    """With a tokenizer that adds BOS (Llama's, Mistral's) and no chat template, generate.py, the RL rollout's
-    reward-model actor and the reward server score prompt + response as the very ids rm.py trained the model on:
-    BOS first, EOS last."""
+    """With a tokenizer that adds BOS (Llama's, Mistral's), generate.py, the RL rollout's reward-model actor and the
+    reward server score prompt + response as the very ids rm.py trained the model on: BOS first and EOS last without
+    a chat template; with one, the template's own text to its end of turn ("<|end|>\n" here)."""
     from tokenizers import processors
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -474,12 +474,9 @@ def test_reward_models_score_the_ids_rm_py_trains_on(assets, tmp_path):
     rm_dir = str(tmp_path / "rm")
     AutoModelForSequenceClassification.from_pretrained(f"{assets}/llama-0.5m", num_labels=1).save_pretrained(rm_dir)
     tokenizer.save_pretrained(rm_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    rm, gen = load_algo("rm"), load_algo("generate")
     prompt, response = "reverse: abc", "cba"
-
-    rm = load_algo("rm")
-    rm_args = rm.parse_args(["--pretrain", rm_dir, "--dataset", "d.jsonl", "--prompt_key", "prompt", "--max_len", "64"])
-    trained = rm.pair_row({"prompt": prompt, "chosen": response, "rejected": "bca"}, tokenizer, rm_args)["chosen_ids"]
-    assert trained[0] == tokenizer.bos_token_id and trained[-1] == tokenizer.eos_token_id
 
     def scored_ids(model, call):
         seen = []
@@ -489,26 +486,36 @@ def test_reward_models_score_the_ids_rm_py_trains_on(assets, tmp_path):
         hook.remove()
         return seen
 
-    gen = load_algo("generate")
-    gen_args = gen.parse_args(["--pretrain", rm_dir, "--dataset", "d.jsonl", "--output_path", "o.jsonl",
-                               "--reward_pretrain", rm_dir])
-    data_args = DataArgs(dataset="d.jsonl")
-    chunk = [{"prompt": prompt, "prompt_text": format_prompt(prompt, tokenizer, data_args), "label": None}]
-    model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
-    assert scored_ids(model, lambda: gen.compute_rewards(gen_args, chunk, [[response]], [model], tokenizer, data_args,
-                                                         None)) == [trained]
+    for chat in ([], ["--apply_chat_template"]):
+        rm_args = rm.parse_args(["--pretrain", rm_dir, "--dataset", "d.jsonl", "--prompt_key", "prompt", *chat])
+        trained = rm.pair_row({"prompt": prompt, "chosen": response, "rejected": "bca"}, tokenizer, rm_args)
+        trained = trained["chosen_ids"]
+        assert (trained[0] == tokenizer.bos_token_id) != bool(chat)  # the tiny template writes no BOS
+        gen_args = gen.parse_args(["--pretrain", rm_dir, "--dataset", "d.jsonl", "--output_path", "o.jsonl",
+                                   "--reward_pretrain", rm_dir, *chat])
+        data_args = DataArgs(dataset="d.jsonl", apply_chat_template=bool(chat))
+        prompt_text = format_prompt(prompt, tokenizer, data_args)
+        chunk = [{"prompt": prompt, "prompt_text": prompt_text, "label": None}]
+        generate_scoring = lambda: gen.compute_rewards(  # noqa: E731
+            gen_args, chunk, [[response]], [model], tokenizer, data_args, None)
+        assert scored_ids(model, generate_scoring) == [trained], chat
 
-    # the rollout: the policy's ids (BOS prompt, response + EOS) -> the reward-model actor's texts -> its ids
-    from common.rollout import response_texts
+        # the rollout: the policy's sample (ids to its EOS, text without it) -> the reward-model actor's ids
+        from common.rollout import response_texts
 
-    actor = RewardModels([rm_dir], normalize=False, apply_chat_template=False)
-    response_ids = tokenizer(format_response(prompt, response, tokenizer, data_args), add_special_tokens=False)
-    sample = Sample(tokenizer(prompt)["input_ids"], response_ids["input_ids"], response, [0.0] * 3, "stop")
-    rollout_scoring = lambda: actor.score([prompt], response_texts([[sample]], tokenizer))  # noqa: E731
-    assert scored_ids(actor.models[0], rollout_scoring) == [trained]
+        actor = RewardModels([rm_dir], normalize=False, apply_chat_template=bool(chat))
+        ids = tokenizer(response + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+        sample = Sample(tokenizer(prompt_text, add_special_tokens=not chat)["input_ids"], ids, response,
+                        [0.0] * len(ids), "stop")
+        prompts = [{"prompt_text": prompt_text, "raw": prompt}]
+        rollout_scoring = lambda: actor.score([prompt_text], response_texts(prompts, [[sample]], tokenizer,  # noqa: E731
+                                                                            data_args))
+        assert scored_ids(actor.models[0], rollout_scoring) == [trained], chat
 
-    # the reward server: the query prompt + response text, the prompt given apart (as the RL and generate clients do)
-    from launch.reward_server import ServeArgs, reward_fn_from_args
+        # the reward server: prompt + response text, the prompt given apart (as the RL and generate clients send)
+        from launch.reward_server import ServeArgs, reward_fn_from_args
 
-    served = reward_fn_from_args(ServeArgs(reward_pretrain=rm_dir))([prompt + response], [prompt], [None])
-    assert torch.allclose(served, score(model, [trained]), atol=1e-6)
+        query = prompt_text + (format_response(prompt, response, tokenizer, data_args) if chat else response)
+        served = reward_fn_from_args(ServeArgs(reward_pretrain=rm_dir, apply_chat_template=bool(chat)))(
+            [query], [prompt_text], [None])
+        assert torch.allclose(served, score(model, [trained]), atol=1e-6), chat
