@@ -103,7 +103,7 @@ def test_masked_samples_set_no_baseline_and_no_whitening():
     assert torch.cat(adv).abs().max().item() == 0.0
 
 
-def test_dynamic_filtering_judges_a_group_by_its_unmasked_samples():
+def test_dynamic_filtering_judges_a_group_by_the_samples_in_its_baseline():
     from common.rollout import carries_loss, no_signal
     from common.infra.vllm_engine import Sample
 
