@@ -28,7 +28,7 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # algos/.. (README: Forking)
 if importlib.util.find_spec("common") is None:
     sys.exit(f"error: {__file__} cannot import common/: run it with PYTHONPATH=<the minrlhf checkout>")
-from common.data import DataArgs, format_prompt, format_response, validate_prompt_args# noqa: E402
+from common.data import DataArgs, format_prompt, format_response, reward_model_ids, validate_prompt_args  # noqa: E402
 from common.infra.datasets import load_one, load_tokenizer# noqa: E402
 from common.infra.engine import run, parse_cli  # noqa: E402
 from common.infra.remote_reward import make_reward_fn  # noqa: E402
@@ -177,12 +177,13 @@ def compute_rewards(args, chunk, responses, reward_models, rm_tokenizer, data_ar
     """One float per response: the sum of the reward models' scores and the reward function's."""
     prompts = [p["prompt_text"] for p in chunk for _ in range(args.best_of_n)]
     total = torch.zeros(len(prompts))
-    if reward_models:  # the RM reads the text as rm.py trained it: templated prompt + templated response
+    if reward_models:  # the RM reads the ids rm.py trained it on: templated prompt + templated response
         from common.infra.reward import score
 
-        texts = [p["prompt_text"] + format_response(p["prompt"], r, rm_tokenizer, data_args)
+        pairs = [(p["prompt_text"], format_response(p["prompt"], r, rm_tokenizer, data_args))
                  for p, rs in zip(chunk, responses) for r in rs]
-        total += score(reward_models, texts, rm_tokenizer, normalize=args.normalize_reward)
+        ids = [reward_model_ids(rm_tokenizer, *pair, args.apply_chat_template) for pair in pairs]
+        total += score(reward_models, ids, normalize=args.normalize_reward)
     if reward_fn:  # checked: one finite float per query, or an error naming the file / server
         queries = [p["prompt_text"] + r for p, rs in zip(chunk, responses) for r in rs]
         labels = [p["label"] for p in chunk for _ in range(args.best_of_n)]

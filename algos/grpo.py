@@ -28,12 +28,12 @@ Differences from OpenRLHF, on purpose: --init_kl_coef defaults to 0 (no referenc
 recipes with verifiable rewards now run); `dr_grpo` also uses Dr. GRPO's constant loss normaliser
 (OpenRLHF keeps the token mean); group statistics are float64 and a group whose rewards are equal up to
 round-off gets advantage 0 (OpenRLHF divides by std + 1e-9, which turns float32 round-off of equal rewards
-into full-size advantages); masked samples (rejected episodes, truncated responses under
---mask_truncated_responses) set no group baseline and no whitening statistic; --use_kl_loss refuses k1
-(as a loss its expected gradient is 0); samples whose advantages are all 0 skip the forward and backward
-(the update is the same); rewards are clipped before the group baseline; --vllm_is_truncation is
-one-sided; log-probs are of the untempered policy (the temperature only shapes sampling), and vLLM's
-log-probs of the sampled tokens are checked against the trainer's every step
+into full-size advantages); rejected episodes set no group baseline, and masked samples (those, and truncated
+responses under --mask_truncated_responses, whose rewards stay in the group as in DAPO) no whitening statistic;
+--use_kl_loss refuses k1 (as a loss its expected gradient is 0); samples whose advantages are all 0 skip the
+forward and backward (the update is the same); rewards are clipped before the group baseline;
+--vllm_is_truncation is one-sided; log-probs are of the untempered policy (the temperature only shapes
+sampling), and vLLM's log-probs of the sampled tokens are checked against the trainer's every step
 (`check/vllm_logp_max_abs_diff`).
 """
 
@@ -119,6 +119,10 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
 
 def parse_args(argv=None):
     args = parse_cli(Args, argv, __doc__)
+    if args.dynamic_filtering and (args.n_samples_per_prompt < 2 or args.advantage_estimator == "reinforce"):
+        raise ValueError("--dynamic_filtering drops groups whose samples all got the same reward, which carry no "
+                         "signal only beside a group baseline: not with --n_samples_per_prompt 1 nor "
+                         "--advantage_estimator reinforce (whitened over the whole batch)")
     world = args.actor_num_nodes * args.actor_num_gpus_per_node
     dp_world = validate_ring_args(args.ring, world, args.model)  # trainer ranks / ring size
     args.model = ring_model_args(args.model, args.ring)  # the ring is the attention implementation
@@ -177,17 +181,18 @@ def returns_to_go(token_rewards, gamma):
     return out
 
 
-def compute_advantages(rewards, kl_penalties, estimator, gamma=1.0, valid=None):
+def compute_advantages(rewards, kl_penalties, estimator, gamma=1.0, valid=None, counted=None):
     """Per-token advantages of every sample.
 
     rewards: (prompts, n) scalar rewards; kl_penalties: prompts x n 1-D tensors, beta x KL_t per
     response token (zeros when the KL is not in the reward); valid: (prompts, n) bool, the samples that
-    carry loss (default: all; the others get 0 and set no baseline or whitening statistic). Token rewards
+    carry loss (default: all; the others get 0 and set no whitening statistic); counted: (prompts, n) bool, the
+    samples whose rewards set their group's baseline (default: `valid`). Token rewards
     are -beta x KL_t plus the group-relative scalar at the last token; advantages are their returns-to-go
     (gamma only for reinforce), whitened over all valid tokens of the rollout for reinforce and
     reinforce_baseline."""
     valid = torch.ones(rewards.shape, dtype=torch.bool) if valid is None else valid
-    scalars = group_baseline(rewards, estimator, valid).flatten()
+    scalars = group_baseline(rewards, estimator, valid if counted is None else counted).flatten()
     g = gamma if estimator == "reinforce" else 1.0
     advantages = []
     for s, kl, keep in zip(scalars, kl_penalties, valid.flatten()):
@@ -206,15 +211,17 @@ def sample_advantages(samples, rewards, args):
     """Per-response-token advantages of each sample (rewards: (prompts, n)). Only the model's tokens take part
     (their KL penalties, returns-to-go, the whitening); an episode's environment tokens get 0 and can never change
     the advantages of the model's tokens. Masked samples (rejected, or truncated under --mask_truncated_responses)
-    get 0 and take no part in their group's baseline or the whitening."""
+    get 0 and take no part in the whitening; a truncated response's reward still counts in its group's baseline
+    (DAPO's overlong filtering masks only its loss), a rejected episode's does not."""
     kl_in_reward = args.init_kl_coef > 0 and not args.use_kl_loss
     masks = [model_tokens(s) for s in samples]
     kls = [args.init_kl_coef * approx_kl(torch.tensor(s["old_logps"])[m], torch.tensor(s["ref_logps"])[m],
                                          args.kl_estimator)
            if kl_in_reward else torch.zeros(int(m.sum())) for s, m in zip(samples, masks)]
     valid = torch.tensor([not s.get("masked") for s in samples]).view(rewards.shape)
+    counted = torch.tensor([not s.get("rejected") for s in samples]).view(rewards.shape)
     out = []
-    for m, a in zip(masks, compute_advantages(rewards, kls, args.advantage_estimator, args.gamma, valid)):
+    for m, a in zip(masks, compute_advantages(rewards, kls, args.advantage_estimator, args.gamma, valid, counted)):
         full = torch.zeros(len(m))
         full[m] = a
         out.append(full)
@@ -254,7 +261,7 @@ def check_loss_flags(args):
                          "KL(policy||ref))")
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
-    if off_policy(args):  # samples one update old: the clip is the trust region that keeps that stable
+    if off_policy(args):  # samples up to K updates old: the clip is the trust region that keeps that stable
         eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
         if not (0 < eps_low < 1 and 0 < eps_high < 1):
             raise ValueError(f"--async_train with --max_staleness {args.async_rollout.max_staleness} needs a clipped "
@@ -527,9 +534,9 @@ def main(args: Args):
         return collect_rollout(args, roles, engines, prompts, start, version, reward_fn, reward_models, tokenizer,
                                env_cls)
 
-    one_behind = off_policy(args)  # samples from the weights one update before the trainer's (--async_train)
+    stale = off_policy(args)  # samples from weights up to K updates before the trainer's (--async_train)
     rollouts = None  # synchronous: each step's rollout is collected when the step asks for it
-    if one_behind:  # --async_train: a thread collects the next steps' rollouts while the trainer updates
+    if stale:  # --async_train: a thread collects the next steps' rollouts while the trainer updates
         from common.async_rollouts import Rollouts
 
         rollouts = Rollouts(args, collect, state["global_step"], total_steps, state["consumed_prompts"])
@@ -554,7 +561,7 @@ def main(args: Args):
         # 3. log-probs before the update: policy (old, unless single_update or off-policy) and reference;
         # each ring its contiguous shard (trainer rank r is in ring r // ring size; its first rank answers)
         t0 = time.time()
-        shard, policy_pass = per_step // (world // ring_size), not single_update(args) and not one_behind
+        shard, policy_pass = per_step // (world // ring_size), not single_update(args) and not stale
         if policy_pass or args.init_kl_coef > 0:
             outs = roles.get([t.logprobs.remote(samples[r // ring_size * shard : (r // ring_size + 1) * shard],
                                                 policy_pass) for r, t in enumerate(trainers)])[::ring_size]
@@ -564,14 +571,14 @@ def main(args: Args):
                         s["old_logps"] = out["old_logps"][k]
                     if out["ref_logps"]:
                         s["ref_logps"] = out["ref_logps"][k]
-        if one_behind:  # the behaviour policy: the weights that sampled them, one update before the trainer's
+        if stale:  # the behaviour policy: the weights that sampled them, up to K updates before the trainer's
             for s in samples:
                 s["old_logps"] = s["vllm_logps"]
         phase("logprobs", t0)
         phases.update(1)
 
         # 4. advantages (driver, over the whole rollout; only the model's tokens)
-        rewards = torch.tensor([s["reward"] for s in samples]).clamp(*args.reward_clip_range).view(-1, n)
+        rewards = torch.tensor([s["reward"] for s in samples]).view(-1, n)
         for s, a in zip(samples, sample_advantages(samples, rewards, args)):
             s["advantages"] = a.tolist()
 
@@ -602,7 +609,7 @@ def main(args: Args):
         metrics = {**rollout_metrics(rollout, samples, raw_rewards, step),
                    "perf/sync_mb": sync["bytes"] / 2**20, "perf/samples_per_s": per_step / (time.time() - t_step),
                    **timing, **{f"train/{k}": v for k, v in train_metrics.items()}}
-        if not one_behind:  # the trainer's log-probs before the update vs vLLM's on the same weights
+        if not stale:  # the trainer's log-probs before the update vs vLLM's on the same weights
             metrics["check/vllm_logp_max_abs_diff"] = vllm_diff
         metrics.update(kl_to_reference(samples))
         bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")

@@ -324,7 +324,7 @@ def check_loss_flags(args):
                          "KL(policy||ref))")
     if args.dual_clip is not None and args.dual_clip <= 1:
         raise ValueError(f"--dual_clip must be > 1, got {args.dual_clip}")
-    if off_policy(args):  # samples one update old: the clip is the trust region that keeps that stable
+    if off_policy(args):  # samples up to K updates old: the clip is the trust region that keeps that stable
         eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
         if not (0 < eps_low < 1 and 0 < eps_high < 1):
             raise ValueError(f"--async_train with --max_staleness {args.async_rollout.max_staleness} needs a clipped "
@@ -730,9 +730,9 @@ def main(args: Args):
         return collect_rollout(args, roles, engines, prompts, start, version, reward_fn, reward_models, tokenizer,
                                env_cls)
 
-    one_behind = off_policy(args)  # samples from the weights one update before the trainer's (--async_train)
+    stale = off_policy(args)  # samples from weights up to K updates before the trainer's (--async_train)
     rollouts = None  # synchronous: each step's rollout is collected when the step asks for it
-    if one_behind:  # --async_train: a thread collects the next steps' rollouts while the trainer updates
+    if stale:  # --async_train: a thread collects the next steps' rollouts while the trainer updates
         from common.async_rollouts import Rollouts
 
         rollouts = Rollouts(args, collect, state["global_step"], total_steps, state["consumed_prompts"])
@@ -759,7 +759,7 @@ def main(args: Args):
         # single_update makes them the update's own, or off-policy vLLM's are the old policy), reference
         # log-probs, critic values
         t0 = time.time()
-        policy_pass = not single_update(args) and not one_behind
+        policy_pass = not single_update(args) and not stale
 
         def each_ring(members, method):  # rank r is in ring r // ring size; each ring's first rank answers
             shard = per_step // max(len(members) // ring_size, 1)
@@ -771,7 +771,7 @@ def main(args: Args):
         for key, refs in jobs.items():
             for s, v in zip(samples, [x for shard in roles.get(refs)[::ring_size] for x in shard]):
                 s[key] = v
-        if one_behind:  # the behaviour policy: the weights that sampled them, one update before the actor's
+        if stale:  # the behaviour policy: the weights that sampled them, up to K updates before the actor's
             for s in samples:
                 s["old_logps"] = s["vllm_logps"]
         rest(trainers)
@@ -779,7 +779,7 @@ def main(args: Args):
         phases.update(1)
 
         # 4. per-token rewards -> GAE advantages (lambd) and returns (lambd_critic), on the driver
-        rewards = torch.tensor([s["reward"] for s in samples]).clamp(*args.reward_clip_range)
+        rewards = torch.tensor([s["reward"] for s in samples])
         kl_in_reward = args.init_kl_coef > 0 and not args.use_kl_loss
         kls = [args.init_kl_coef * approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]),
                                              args.kl_estimator)
@@ -844,7 +844,7 @@ def main(args: Args):
         if actor_metrics:
             timing["time/actor_train"] = actor_metrics.pop("time_s")
             vllm_diff = actor_metrics.pop("vllm_logp_max_abs_diff")
-            if not one_behind:  # the actor's log-probs before the update vs vLLM's on the same weights
+            if not stale:  # the actor's log-probs before the update vs vLLM's on the same weights
                 metrics["check/vllm_logp_max_abs_diff"] = vllm_diff
             metrics.update({f"train/{k}": v for k, v in actor_metrics.items()})
         elif policy_pass:  # a frozen actor still had its log-probs computed: the engines must match them

@@ -36,7 +36,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # algos/.. (README: Forking)
 if importlib.util.find_spec("common") is None:
     sys.exit(f"error: {__file__} cannot import common/: run it with PYTHONPATH=<the minrlhf checkout>")
-from common.data import BadRow, DataArgs, format_prompt, format_response, get_field, validate_data_args  # noqa: E402
+from common.data import (  # noqa: E402
+    BadRow, DataArgs, format_prompt, format_response, get_field, reward_model_ids, validate_data_args,
+)
 from common.infra.datasets import load_tokenizer, prepare_dataset, rank0_first, tokenization_cache_key  # noqa: E402
 from common.infra.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, device, is_rank0, maybe_save, parse_cli, resume,
@@ -156,8 +158,8 @@ def sequence_ids(row, key, tokenizer, args: Args):
         prompt = get_field(row, args.prompt_key)
         if not isinstance(value, str):
             raise BadRow(f"field {key!r} should be a string response when --prompt_key is set")
-        prompt_ids = tokenize(tokenizer, format_prompt(prompt, tokenizer, data), not data.apply_chat_template)
-        return prompt_ids + tokenize(tokenizer, format_response(prompt, value, tokenizer, data))
+        return reward_model_ids(tokenizer, format_prompt(prompt, tokenizer, data),
+                                format_response(prompt, value, tokenizer, data), data.apply_chat_template)
     if isinstance(value, list):
         if not data.apply_chat_template:
             raise BadRow(f"field {key!r} is a list of messages: pass --apply_chat_template")

@@ -112,6 +112,15 @@ def format_response(prompt, response, tokenizer, args: DataArgs):
     return response if response.endswith(tokenizer.eos_token) else response + tokenizer.eos_token
 
 
+def reward_model_ids(tokenizer, prompt_text, response_text, apply_chat_template):
+    """What a reward model reads of a formatted prompt and its response: the ids rm.py trains on, and the ones RL,
+    generate.py and launch/reward_server.py score. The prompt gets the tokenizer's special tokens (a BOS), as the
+    policy's prompt ids do, unless a chat template wrote its own; the response is tokenized as it is (its EOS or
+    end-of-turn tokens in the text)."""
+    return (tokenizer(prompt_text, add_special_tokens=not apply_chat_template)["input_ids"]
+            + tokenizer(response_text, add_special_tokens=False)["input_ids"])
+
+
 def get_field(row, key, kind=str):
     """row[key], checked: a missing key, None, wrong type or empty string raises BadRow naming it."""
     if key not in row or row[key] is None:

@@ -326,6 +326,6 @@ def episode_sample(e, mask_truncated):
     return {"prompt_ids": list(prompt), "response_ids": [t for ids, _, _ in rest for t in ids],
             "trainable": [int(trainable) for ids, trainable, _ in rest for _ in ids],
             "vllm_logps": [lp for ids, trainable, lps in rest for lp in (lps if trainable else [0.0] * len(ids))],
-            "masked": e.rejected or (mask_truncated and e.finish_reason == "length")}
+            "masked": e.rejected or (mask_truncated and e.finish_reason == "length"), "rejected": e.rejected}
 
 

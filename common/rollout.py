@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 import torch
 import tyro
 
+from common.data import format_response
 from common.episodes import AgentArgs, Episode, episode_sample, run_episodes
 from common.infra.cluster import ClusterArgs, generate
 from common.infra.engine import CkptArgs, ModelArgs, TrainArgs
@@ -146,15 +147,18 @@ class RLArgs:
     than 1 it trains on samples of another distribution, uncorrected (a warning says so; OpenRLHF divides the
     logits by it)."""
     top_p: float = 1.0
-    """Rollout nucleus sampling mass."""
+    """Rollout nucleus sampling mass. Below 1 the update, reading the whole policy's log-probs, trains on samples of
+    another distribution, uncorrected (a warning says so)."""
     dynamic_filtering: bool = False
-    """DAPO dynamic sampling: drop groups whose rewards are all equal (their unmasked samples') and sample new
-    prompts to refill the batch. The run's step count still comes from --num_episodes, so with refills it reads
-    more than that many passes over the prompts."""
+    """DAPO dynamic sampling: drop groups whose rewards as the advantages read them (less the overlong penalty,
+    clipped) are all equal, or none of whose samples carries loss, and sample new prompts to refill the batch. The
+    run's step count still comes from --num_episodes, so with refills it reads more than that many passes over the
+    prompts."""
     dynamic_filtering_max_rounds: int = 4
     """Sampling rounds per step for --dynamic_filtering; then the batch is topped up with dropped groups."""
     mask_truncated_responses: bool = False
-    """Responses cut off at --generate_max_len carry no loss (in ppo.py, neither for the actor nor for the critic)."""
+    """Responses cut off at --generate_max_len carry no loss (in ppo.py, neither for the actor nor for the critic);
+    in grpo.py their rewards still count in their group's baseline (DAPO's overlong filtering)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,7 +232,7 @@ def make_batch(samples, pad_id, max_tokens, one_row, values=(), share_prompt=Fal
 # ----------------------------------------------------------------------------------------------
 
 
-def compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer):
+def compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer, args):
     """One scalar reward per sample, shape (prompts, n): reward file / URL plus reward models."""
     queries = [p["prompt_text"] + s.text for p, g in zip(prompts, groups) for s in g]
     prompt_texts = [p["prompt_text"] for p, g in zip(prompts, groups) for _ in g]
@@ -236,10 +240,17 @@ def compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer)
     total = torch.zeros(len(queries))
     if reward_fn is not None:
         total += reward_fn(queries, prompt_texts, labels)
-    if reward_models is not None:  # the RM reads prompt + response + EOS, as rm.py trained it
-        texts = [p["prompt_text"] + tokenizer.decode(s.output_ids) for p, g in zip(prompts, groups) for s in g]
-        total += torch.tensor(roles.get(reward_models.score.remote(texts)))
+    if reward_models is not None:  # the RM reads the ids rm.py trained it on (common.data.reward_model_ids)
+        responses = response_texts(prompts, groups, tokenizer, args)
+        total += torch.tensor(roles.get(reward_models.score.remote(prompt_texts, responses)))
     return total.view(len(prompts), -1)
+
+
+def response_texts(prompts, groups, tokenizer, args):
+    """Each sampled response as the reward models read it: a finished one as rm.py formats a response (+ EOS, or
+    the chat template's end of turn), a truncated one as it was cut off."""
+    return [format_response(p["raw"], s.text, tokenizer, args) if s.finish_reason == "stop" else s.text
+            for p, g in zip(prompts, groups) for s in g]
 
 
 def carries_loss(sample, mask_truncated):
@@ -248,17 +259,39 @@ def carries_loss(sample, mask_truncated):
     return not (getattr(sample, "rejected", False) or (mask_truncated and sample.finish_reason == "length"))
 
 
-def no_signal(rewards, live, rel_tol=1e-6):
-    """A group whose live members' rewards are equal (within `rel_tol` of their size, float32 round-off), or that
-    has fewer than two live members: comparing its samples teaches nothing (DAPO's dynamic filtering drops it)."""
-    r = rewards.double()[live]
+def no_signal(rewards, counted, rel_tol=1e-6):
+    """A group whose counted members' rewards are equal (within `rel_tol` of their size, float32 round-off), or that
+    has fewer than two counted members: its group baseline gives every sample 0."""
+    r = rewards.double()[counted]
     return len(r) < 2 or (r.max() - r.min()).item() <= rel_tol * r.abs().max().item()
+
+
+def carries_signal(group, rewards, args):
+    """Whether a group teaches anything (DAPO's dynamic filtering drops it if not): some member carries loss, and
+    the rewards the advantages read (advantage_rewards) differ among the members that set the group's statistics:
+    all but rejected episodes (a response truncated under --mask_truncated_responses counts, as in DAPO)."""
+    counted = torch.tensor([not getattr(s, "rejected", False) for s in group])
+    return (any(carries_loss(s, args.mask_truncated_responses) for s in group)
+            and not no_signal(advantage_rewards(group, rewards, args), counted))
 
 
 def overlong_penalty(length, max_len, buffer, factor):
     """DAPO: the reward lost by a response of `length` tokens that runs into the last `buffer` tokens."""
     over = length - (max_len - buffer)
     return min(max(over, 0), buffer) / buffer * factor if buffer > 0 else 0.0
+
+
+def advantage_rewards(group, rewards, args):
+    """The rewards the advantages read, of a group's samples (or episodes) and their raw rewards: less DAPO's
+    overlong penalty (a single-turn response's), clamped to --reward_clip_range."""
+    low, high = args.reward_clip_range
+    out = []
+    for s, r in zip(group, rewards.tolist()):
+        if not isinstance(s, Episode):
+            r -= overlong_penalty(len(s.output_ids), args.generate_max_len, args.overlong_buffer_len,
+                                  args.overlong_penalty_factor)
+        out.append(min(max(r, low), high))
+    return torch.tensor(out)
 
 
 def rollout_groups(args, roles, engines, prompts, n, temperature, top_p, seeds, reward_fn, reward_models, tokenizer,
@@ -274,7 +307,7 @@ def rollout_groups(args, roles, engines, prompts, n, temperature, top_p, seeds, 
     groups = generate(roles, engines, [p["prompt_ids"] for p in prompts], sampling, seeds, timeout_s)
     timing["time/generate"] = timing.get("time/generate", 0.0) + time.time() - t0
     t0 = time.time()
-    rewards = compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer)
+    rewards = compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer, args)
     timing["time/reward"] = timing.get("time/reward", 0.0) + time.time() - t0
     return groups, rewards
 
@@ -296,8 +329,7 @@ def collect_rollout(args, roles, engines, prompts, start, version, reward_fn, re
                                          [args.train.seed * 1_000_003 + i for i in positions],
                                          reward_fn, reward_models, tokenizer, env_cls, timing)
         for p, g, r in zip(batch_prompts, groups, rewards):
-            live = torch.tensor([carries_loss(s, args.mask_truncated_responses) for s in g])
-            (dropped if args.dynamic_filtering and no_signal(r, live) else kept).append((p, g, r))
+            (dropped if args.dynamic_filtering and not carries_signal(g, r, args) else kept).append((p, g, r))
         if not args.dynamic_filtering:
             break
     kept += dropped[: args.rollout_batch_size - len(kept)]  # rounds ran out: equal-reward groups carry no signal
@@ -306,18 +338,16 @@ def collect_rollout(args, roles, engines, prompts, start, version, reward_fn, re
 
 
 def rollout_samples(rollout, args):
-    """The training samples of a rollout (prompt and response ids, vLLM's log-probs, reward less DAPO's
-    overlong penalty, masked) and its raw rewards (prompts, n)."""
+    """The training samples of a rollout (prompt and response ids, vLLM's log-probs, the reward the advantages
+    read, masked) and its raw rewards (prompts, n)."""
     samples = []
     for p, g, r in rollout["kept"]:
-        for s, reward in zip(g, r.tolist()):
+        for s, reward in zip(g, advantage_rewards(g, r, args).tolist()):
             if isinstance(s, Episode):
                 samples.append({**episode_sample(s, args.mask_truncated_responses), "reward": reward})
                 continue
-            penalty = overlong_penalty(len(s.output_ids), args.generate_max_len, args.overlong_buffer_len,
-                                       args.overlong_penalty_factor)
             samples.append({"prompt_ids": p["prompt_ids"], "response_ids": list(s.output_ids),
-                            "vllm_logps": list(s.logprobs), "reward": reward - penalty,
+                            "vllm_logps": list(s.logprobs), "reward": reward,
                             "masked": not carries_loss(s, args.mask_truncated_responses)})
     return samples, torch.stack([r for _, _, r in rollout["kept"]])
 

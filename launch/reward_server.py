@@ -142,10 +142,14 @@ class ServeArgs:
     reward_func: Optional[str] = None
     """A Python file defining reward_func(queries, prompts, labels) to serve."""
     reward_pretrain: Optional[str] = None
-    """Comma list of reward models (rm.py exports) to serve, rewards summed; the tokenizer is the first's.
-    Queries are scored as sent: send the full text the model was trained on (chat template included)."""
+    """Comma list of reward models (rm.py exports) to serve, rewards summed; the tokenizer is the first's. Each
+    query is its prompt (which must begin it) and a response, read as rm.py trained on them: the prompt with the
+    tokenizer's special tokens (a BOS) and the response + EOS, or under --apply_chat_template both as sent (send
+    the template's end of turn)."""
     normalize_reward: bool = False
     """With --reward_pretrain: normalise each model's output with the mean/std rm.py stored in its config."""
+    apply_chat_template: bool = False
+    """With --reward_pretrain: the prompts were formatted with a chat template, which wrote its own special tokens."""
     host: str = "127.0.0.1"
     """Address to bind (loopback by default; the traffic is plain HTTP, token included)."""
     port: int = 5000
@@ -161,18 +165,32 @@ class ServeArgs:
 def reward_fn_from_args(args: ServeArgs):
     if (args.reward_func is None) == (args.reward_pretrain is None):
         raise ValueError("give exactly one of --reward_func and --reward_pretrain")
-    if args.normalize_reward and not args.reward_pretrain:
-        raise ValueError("--normalize_reward applies to --reward_pretrain only")
+    if (args.normalize_reward or args.apply_chat_template) and not args.reward_pretrain:
+        raise ValueError("--normalize_reward and --apply_chat_template apply to --reward_pretrain only")
     if args.reward_func:
         return _file_reward_fn(args.reward_func, "--reward_func")
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from common.data import reward_model_ids
     from common.infra.reward import score
 
     paths = [p for p in args.reward_pretrain.split(",") if p]
     models = [AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
     tokenizer = AutoTokenizer.from_pretrained(paths[0])
-    return lambda queries, prompts, labels: score(models, queries, tokenizer, normalize=args.normalize_reward)
+
+    def reward_fn(queries, prompts, labels):
+        ids = []
+        for i, (query, prompt) in enumerate(zip(queries, prompts)):
+            if not (isinstance(prompt, str) and query.startswith(prompt)):
+                raise ValueError(f"query {i}: the reward models read its prompt apart (rm.py's rule), so 'prompts' "
+                                 f"must hold it and the query begin with it; got prompt {prompt!r}")
+            response = query[len(prompt):]
+            if not (args.apply_chat_template or response.endswith(tokenizer.eos_token)):
+                response += tokenizer.eos_token  # rm.py's plain response + EOS (format_response)
+            ids.append(reward_model_ids(tokenizer, prompt, response, args.apply_chat_template))
+        return score(models, ids, normalize=args.normalize_reward)
+
+    return reward_fn
 
 
 def main(argv=None):

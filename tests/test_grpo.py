@@ -102,13 +102,14 @@ def test_masked_samples_set_no_baseline_and_no_whitening():
         with_masked = grpo.compute_advantages(rewards, kls, estimator, valid=valid)
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(alone, with_masked[:3])), estimator
         assert with_masked[3].abs().max().item() == 0.0
-    samples = [{"response_ids": [5, 6], "old_logps": [0.0] * 2, "masked": m} for m in (False, False, False, True)]
+    samples = [{"response_ids": [5, 6], "old_logps": [0.0] * 2, "masked": m, "rejected": m}
+               for m in (False, False, False, True)]
     adv = grpo.sample_advantages(samples, torch.tensor([[1.0, 1.0, 1.0, 0.0]]), grpo.Args())
     assert torch.cat(adv).abs().max().item() == 0.0
 
 
 @pytest.mark.quick
-def test_dynamic_filtering_judges_a_group_by_its_unmasked_samples():
+def test_dynamic_filtering_judges_a_group_by_the_samples_in_its_baseline():
     from common.rollout import carries_loss, no_signal
     from common.infra.vllm_engine import Sample
 
@@ -118,6 +119,54 @@ def test_dynamic_filtering_judges_a_group_by_its_unmasked_samples():
     assert no_signal(torch.tensor([1.0, 0.0]), torch.tensor([True, False]))  # one live sample: nothing to compare
     finished, cut = Sample([0], [1], "", [0.0], "stop"), Sample([0], [1], "", [0.0], "length")
     assert carries_loss(finished, True) and carries_loss(cut, False) and not carries_loss(cut, True)
+
+
+@pytest.mark.quick
+def test_dynamic_filtering_judges_the_rewards_the_advantages_read():
+    """The filter reads each reward less the overlong penalty, clipped by --reward_clip_range, as the advantages
+    do: four raw 1s with penalties 0, 0.5, 1, 1 carry signal and stay; reward-model scores that all clip to the
+    bound carry none and go. Its verdict is whether the group baseline gives any sample a non-zero advantage."""
+    from common.infra.vllm_engine import Sample
+    from common.rollout import advantage_rewards, carries_signal
+
+    args = grpo.Args(generate_max_len=10, overlong_buffer_len=4, overlong_penalty_factor=1.0,
+                     reward_clip_range=(-10.0, 10.0))
+
+    def group(*lengths, finish="stop"):
+        return [Sample([0], [1] * k, "", [0.0] * k, finish) for k in lengths]
+
+    lengths = group(6, 8, 10, 10)  # 0, 2 and 4 tokens into the buffer of 4
+    shaped = advantage_rewards(lengths, torch.tensor([1.0, 1.0, 1.0, 1.0]), args)
+    assert shaped.tolist() == [1.0, 0.5, 0.0, 0.0] and carries_signal(lengths, torch.ones(4), args)
+    clipped = advantage_rewards(group(3, 3, 3), torch.tensor([12.0, 15.0, 30.0]), args)
+    assert clipped.tolist() == [10.0, 10.0, 10.0] and not carries_signal(group(3, 3, 3), torch.tensor([12.0, 15, 30]),
+                                                                         args)
+    for g, raw in ((lengths, torch.ones(4)), (group(3, 3, 3), torch.tensor([12.0, 15, 30])),
+                   (group(3, 3), torch.tensor([9.0, 11.0])), (group(3, 10), torch.tensor([1.0, 2.0]))):
+        advantages = grpo.group_baseline(advantage_rewards(g, raw, args).view(1, -1), "group_norm")
+        assert carries_signal(g, raw, args) == bool(advantages.abs().max() > 0), raw
+
+
+@pytest.mark.quick
+def test_truncated_responses_keep_their_rewards_in_the_group():
+    """DAPO's overlong filtering under --mask_truncated_responses: a truncated response carries no loss, but its
+    reward stays in the group's statistics. One finished right answer and seven truncated wrong ones: the right one
+    gets (1 - 1/8) / std = +2.47 (not 0) and the group is kept; only rejected episodes leave the statistics."""
+    from common.infra.vllm_engine import Sample
+
+    args = grpo.Args(mask_truncated_responses=True, generate_max_len=4)
+    group = [Sample([0], [1, 2], "", [0.0] * 2, "stop")] + [Sample([0], [1] * 4, "", [0.0] * 4, "length")] * 7
+    rewards = torch.tensor([1.0] + [0.0] * 7)
+    samples = [{"response_ids": s.output_ids, "old_logps": [0.0] * len(s.output_ids),
+                "masked": s.finish_reason == "length"} for s in group]
+    adv = grpo.sample_advantages(samples, rewards.view(1, -1), args)
+    want = (1 - 1 / 8) / torch.tensor([1.0] + [0.0] * 7).std().item()
+    assert abs(adv[0][-1].item() - want) < 1e-5 and abs(want - 2.4749) < 1e-4
+    assert all(a.abs().max().item() == 0.0 for a in adv[1:])  # no loss on the truncated ones
+    from common.rollout import carries_signal
+
+    assert carries_signal(group, rewards, args)
+    assert not carries_signal(group[1:], rewards[1:], args)  # seven truncated equal rewards: nothing to learn
 
 
 @pytest.mark.quick
@@ -517,6 +566,27 @@ def test_defaults_resolve_to_the_best_mode_on_one_box(assets):
 
 
 @pytest.mark.quick
+def test_dynamic_filtering_needs_a_group_baseline(assets):
+    """--dynamic_filtering drops groups of equal rewards, which carry no signal only beside a group baseline: with
+    one sample per prompt or the reinforce estimator (whitened over the batch) it would drop every group or good
+    ones. Refused at parsing, before the model, the reward file or the prompts are read (none of them exists)."""
+    missing = ["--pretrain", "no/model", "--prompt_data", "no.jsonl", "--remote_rm_url", "no_reward.py",
+               "--dynamic_filtering", "--rollout_batch_size", "4", "--micro_rollout_batch_size", "4",
+               "--micro_train_batch_size", "4"]
+    for extra in (["--n_samples_per_prompt", "1", "--train_batch_size", "4", "--advantage_estimator", "reinforce"],
+                  ["--n_samples_per_prompt", "1", "--train_batch_size", "4"],
+                  ["--n_samples_per_prompt", "2", "--train_batch_size", "8", "--advantage_estimator", "reinforce"]):
+        with pytest.raises(ValueError, match=r"--dynamic_filtering drops .* group baseline: not with "
+                                             r"--n_samples_per_prompt 1 nor --advantage_estimator reinforce"):
+            grpo.parse_args([*missing, *extra])
+    args = grpo.parse_args(["--pretrain", f"{assets}/llama-0.5m", "--prompt_data", "d.jsonl", "--remote_rm_url",
+                            REWARD, *missing[6:], "--n_samples_per_prompt", "2", "--train_batch_size", "8",
+                            "--advantage_estimator", "reinforce_baseline", "--prompt_max_len", "48",
+                            "--generate_max_len", "16"])
+    assert args.dynamic_filtering and args.n_samples_per_prompt == 2
+
+
+@pytest.mark.quick
 def test_argument_errors_and_reference_options(assets, capsys):
     required = ["--pretrain", f"{assets}/llama-0.5m", "--prompt_data", "d.jsonl", "--remote_rm_url", REWARD,
                 "--prompt_max_len", "48", "--generate_max_len", "16"]
@@ -545,6 +615,10 @@ def test_argument_errors_and_reference_options(assets, capsys):
     capsys.readouterr()
     grpo.parse_args([*required, "--temperature", "0.7"])
     assert "warning: --temperature 0.7: the update reads the untempered policy" in capsys.readouterr().err
+    grpo.parse_args([*required, "--top_p", "0.9"])  # nucleus sampling: vLLM's log-probs are the whole policy's
+    assert "warning: --top_p 0.9: the update reads the whole policy's log-probs" in capsys.readouterr().err
+    grpo.parse_args(required)
+    assert "warning" not in capsys.readouterr().err
     with pytest.raises(SystemExit):
         grpo.parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())

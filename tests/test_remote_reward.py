@@ -282,6 +282,7 @@ def test_reward_file_without_reward_func(tmp_path):
 def test_cli_serves_a_reward_model(assets, tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from common.data import reward_model_ids
     from common.infra.reward import score
 
     # an rm.py export is a sequence-classification model with the eval mean / std in its config
@@ -303,8 +304,9 @@ def test_cli_serves_a_reward_model(assets, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    expected = score(rm, QUERIES, tokenizer, normalize=True)
-    raw = score(rm, QUERIES, tokenizer)
+    rm_ids = [reward_model_ids(tokenizer, p, q[len(p):] + tokenizer.eos_token, False) for q, p in zip(QUERIES, PROMPTS)]
+    expected = score(rm, rm_ids, normalize=True)  # rm.py's ids: the prompt apart, the response + EOS
+    raw = score(rm, rm_ids)
     assert torch.allclose(rewards, expected, atol=1e-5) and torch.allclose(rewards, (raw - 0.25) / 2.0, atol=1e-5)
     assert len(set(rewards.tolist())) == 3  # three texts, three different scores
 

@@ -459,3 +459,69 @@ def test_argument_errors(assets, monkeypatch):
 
 if __name__ == "__main__":
     zero3_score_worker(*sys.argv[1:])
+
+
+def test_reward_models_score_the_ids_rm_py_trains_on(assets, tmp_path):
+    """With a tokenizer that adds BOS (Llama's, Mistral's), generate.py, the RL rollout's reward-model actor and the
+    reward server score prompt + response as the very ids rm.py trained the model on: BOS first and EOS last without
+    a chat template; with one, the template's own text to its end of turn ("<|end|>\n" here)."""
+    from tokenizers import processors
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from common.data import format_prompt, format_response
+    from common.infra.cluster import RewardModels
+    from common.infra.vllm_engine import Sample
+
+    tokenizer = AutoTokenizer.from_pretrained(f"{assets}/llama-0.5m")
+    bos = "<|system|>"  # a special token no text encodes to stands in for <s>
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tokenizer.convert_tokens_to_ids(bos))])
+    tokenizer.bos_token = bos
+    rm_dir = str(tmp_path / "rm")
+    AutoModelForSequenceClassification.from_pretrained(f"{assets}/llama-0.5m", num_labels=1).save_pretrained(rm_dir)
+    tokenizer.save_pretrained(rm_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    rm, gen = load_algo("rm"), load_algo("generate")
+    prompt, response = "reverse: abc", "cba"
+
+    def scored_ids(model, call):
+        seen = []
+        hook = model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"][0].tolist()),
+                                               with_kwargs=True)
+        call()
+        hook.remove()
+        return seen
+
+    for chat in ([], ["--apply_chat_template"]):
+        rm_args = rm.parse_args(["--pretrain", rm_dir, "--dataset", "d.jsonl", "--prompt_key", "prompt", *chat])
+        trained = rm.pair_row({"prompt": prompt, "chosen": response, "rejected": "bca"}, tokenizer, rm_args)
+        trained = trained["chosen_ids"]
+        assert (trained[0] == tokenizer.bos_token_id) != bool(chat)  # the tiny template writes no BOS
+        gen_args = gen.parse_args(["--pretrain", rm_dir, "--dataset", "d.jsonl", "--output_path", "o.jsonl",
+                                   "--reward_pretrain", rm_dir, *chat])
+        data_args = DataArgs(dataset="d.jsonl", apply_chat_template=bool(chat))
+        prompt_text = format_prompt(prompt, tokenizer, data_args)
+        chunk = [{"prompt": prompt, "prompt_text": prompt_text, "label": None}]
+        generate_scoring = lambda: gen.compute_rewards(  # noqa: E731
+            gen_args, chunk, [[response]], [model], tokenizer, data_args, None)
+        assert scored_ids(model, generate_scoring) == [trained], chat
+
+        # the rollout: the policy's sample (ids to its EOS, text without it) -> the reward-model actor's ids
+        from common.rollout import response_texts
+
+        actor = RewardModels([rm_dir], normalize=False, apply_chat_template=bool(chat))
+        ids = tokenizer(response + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+        sample = Sample(tokenizer(prompt_text, add_special_tokens=not chat)["input_ids"], ids, response,
+                        [0.0] * len(ids), "stop")
+        prompts = [{"prompt_text": prompt_text, "raw": prompt}]
+        rollout_scoring = lambda: actor.score([prompt_text], response_texts(prompts, [[sample]], tokenizer,  # noqa: E731
+                                                                            data_args))
+        assert scored_ids(actor.models[0], rollout_scoring) == [trained], chat
+
+        # the reward server: prompt + response text, the prompt given apart (as the RL and generate clients send)
+        from launch.reward_server import ServeArgs, reward_fn_from_args
+
+        query = prompt_text + (format_response(prompt, response, tokenizer, data_args) if chat else response)
+        served = reward_fn_from_args(ServeArgs(reward_pretrain=rm_dir, apply_chat_template=bool(chat)))(
+            [query], [prompt_text], [None])
+        assert torch.allclose(served, score(model, [trained]), atol=1e-6), chat

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from common.data import BadRow, format_prompt, validate_prompt_args
+from common.data import BadRow, format_prompt, reward_model_ids, validate_prompt_args
 from common.episodes import episode_tokens, load_env, validate_agent_args
 from common.infra.datasets import load_one
 from common.infra.engine import ModelArgs, free_port, init_distributed, set_seed, uses_bf16
@@ -44,8 +44,9 @@ class ClusterArgs:
 
 
 def off_policy(args):
-    """--async_train with --max_staleness > 0: samples come from the weights one update before the
-    trainer's, and vLLM's log-probs of them (the behaviour policy) are the old policy of the clip."""
+    """--async_train with --max_staleness K > 0: a step's samples come from weights up to K updates before the
+    trainer's (step j's from update max(j - K, 0)), and vLLM's log-probs of them (the behaviour policy) are the old
+    policy of the clip."""
     return args.async_rollout.async_train and args.async_rollout.max_staleness > 0
 
 
@@ -111,8 +112,8 @@ def resolve_rollout_args(args, world, trainer_copies):
     """The one step after validate_rollout_args that reads files and fills derived settings: the --remote_rm_url
     reward file and the --agent_func_path environment are loaded (a missing file or function fails now, not after
     the models load), --max_episode_tokens, --max_model_len (from the model's config) and --vllm_num_engines
-    (default_num_engines) are filled, and --temperature != 1 is warned about. Returns a
-    copy of args with those filled."""
+    (default_num_engines) are filled, and --temperature != 1 and --top_p < 1 are warned about.
+    Returns a copy of args with those filled."""
     if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
         from common.infra.remote_reward import load_reward_func
 
@@ -126,6 +127,10 @@ def resolve_rollout_args(args, world, trainer_copies):
     if args.temperature != 1:
         print(f"warning: --temperature {args.temperature}: the update reads the untempered policy's log-probs, so it "
               "trains on samples of another distribution, uncorrected", file=sys.stderr)
+    if args.top_p < 1:
+        print(f"warning: --top_p {args.top_p}: the update reads the whole policy's log-probs (vLLM's too), not the "
+              "nucleus the samples were drawn from, so it trains on samples of another distribution, uncorrected",
+              file=sys.stderr)
     args = replace(args, agent=agent, engine=engine)
     if args.cluster.vllm_num_engines is None:
         engines = default_num_engines(args, world, trainer_copies, len(os.sched_getaffinity(0)), available_memory())
@@ -313,7 +318,7 @@ def start_reward_models(args, roles, cpus, gpus, strategy=None):
         return None
     return roles.add("reward models", actor_class(RewardModels).options(
         num_cpus=cpus, num_gpus=gpus, **({"scheduling_strategy": strategy} if strategy else {})).remote(
-        [p for p in args.reward_pretrain.split(",") if p], args.normalize_reward))
+        [p for p in args.reward_pretrain.split(",") if p], args.normalize_reward, args.apply_chat_template))
 
 
 def start_group(roles, members, *setup_args):
@@ -325,18 +330,21 @@ def start_group(roles, members, *setup_args):
 
 
 class RewardModels:
-    """Reward models from rm.py in their own Ray actor: one summed score per text."""
+    """Reward models from rm.py in their own Ray actor: one summed score per prompt and response text."""
 
-    def __init__(self, paths, normalize):
+    def __init__(self, paths, normalize, apply_chat_template):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.models = [AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
         self.tokenizer, self.normalize = AutoTokenizer.from_pretrained(paths[0]), normalize
+        self.apply_chat_template = apply_chat_template
 
-    def score(self, texts):
+    def score(self, prompt_texts, responses):
         from common.infra.reward import score
 
-        return score(self.models, texts, self.tokenizer, normalize=self.normalize).tolist()
+        chat = self.apply_chat_template
+        ids = [reward_model_ids(self.tokenizer, p, r, chat) for p, r in zip(prompt_texts, responses)]
+        return score(self.models, ids, normalize=self.normalize).tolist()
 
 
 def reward_function(args):

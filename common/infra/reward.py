@@ -75,7 +75,8 @@ def score(models, sequences, tokenizer=None, normalize=False, weights=None, batc
         its own sequences and the ranks' forward passes are kept in step). The models must share
         the tokenizer (the sequences are tokenized once).
     sequences: texts (tokenized with `tokenizer`, `add_special_tokens` as given: pass the exact text
-        the model was trained on, chat template included) or lists of token ids.
+        the model was trained on, chat template included) or lists of token ids (common.data.reward_model_ids
+        gives rm.py's ids of a prompt and a response).
     normalize: use (reward - config.mean) / config.std, the statistics rm.py stores from its eval set.
     weights: with several models, the result is sum_k weights[k] x reward_k (default: all 1).
     batch_size: sequences per forward pass, packed into rows of at most `max_tokens` tokens

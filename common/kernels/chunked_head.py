@@ -56,10 +56,10 @@ class ChunkedHead(torch.autograd.Function):
             logp[s:e] = logits.gather(-1, t[:, None]).squeeze(-1) - lse[s:e]
             if with_argmax:
                 hit[s:e] = logits.argmax(-1) == t
-            if with_entropy:  # H = lse - sum p z
-                probs = logits.sub(lse[s:e, None]).exp_()
-                entropy[s:e] = lse[s:e] - (probs * logits).sum(-1)
-                del probs
+            if with_entropy:  # H = -sum p log p (lse - sum p z cancels in float32 at logits of size 30-100)
+                logq = torch.log_softmax(logits, -1)
+                entropy[s:e] = -logq.exp().mul_(logq).sum(-1)
+                del logq
             del logits
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.chunk_tokens, ctx.compute_dtype, ctx.with_entropy = chunk_tokens, compute_dtype, with_entropy
@@ -155,7 +155,8 @@ def _head_chunk(head, hidden, targets, with_entropy, with_argmax, autocast_dtype
     lse = torch.logsumexp(logits, -1)
     logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse
     empty = logits.new_empty(0)
-    entropy = lse - (logits.sub(lse[:, None]).exp() * logits).sum(-1) if with_entropy else empty
+    logq = torch.log_softmax(logits, -1) if with_entropy else empty  # -sum p log p: see ChunkedHead
+    entropy = -(logq.exp() * logq).sum(-1) if with_entropy else empty
     hit = logits.argmax(-1) == targets if with_argmax else empty.bool()
     return logp, lse, entropy, hit
 
