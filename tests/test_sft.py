@@ -380,6 +380,20 @@ def test_argument_errors_before_model_load(assets, monkeypatch):
     assert "Loading weights" not in proc.stderr + proc.stdout
 
 
+def test_adam_offload_resolves_to_a_zero_stage_that_offloads():
+    """--adam_offload hands DeepSpeedCPUAdam ZeRO's optimizer partitions: unset --zero_stage resolves to 2 with it
+    in a world of one too (ZeRO-0 would give it the device's master weights), and --zero_stage 0 with it is refused."""
+    from common.infra.engine import CkptArgs, ModelArgs, TrainArgs, deepspeed_config, validate_common_args, zero_stage
+
+    offload = TrainArgs(adam_offload=True, train_batch_size=8, micro_train_batch_size=8)
+    assert [zero_stage(offload, n) for n in (1, 2)] == [2, 2] and zero_stage(TrainArgs(), 1) == 0
+    assert deepspeed_config(offload, 1)["zero_optimization"]["stage"] == 2
+    assert zero_stage(TrainArgs(adam_offload=True, zero_stage=3), 1) == 3
+    with pytest.raises(ValueError, match=r"^--adam_offload needs --zero_stage 1-3 \(unset: 2\), got --zero_stage 0$"):
+        validate_common_args(ModelArgs(pretrain="m"), TrainArgs(adam_offload=True, zero_stage=0, train_batch_size=8,
+                                                                micro_train_batch_size=8), CkptArgs(), 1)
+
+
 def test_a_copied_script_sees_its_own_tokenize_edit(assets, tmp_path):
     """The tokenization cache is keyed by the whole script file: a copy whose `tokenize` helper differs
     (the row function itself unchanged) tokenizes afresh instead of reading the parent's cached rows."""

@@ -84,7 +84,7 @@ class TrainArgs:
     """Gradient clipping norm (0: off)."""
     zero_stage: Optional[int] = None
     """DeepSpeed ZeRO stage: 0, 1, 2 or 3 (default: 0 in a world of one rank, where ZeRO would partition nothing
-    and only add its gradient copies; 2 in a larger world)."""
+    and only add its gradient copies; 2 in a larger world or with --adam_offload)."""
     adam_offload: bool = False
     """Keep optimizer states on the CPU (DeepSpeedCPUAdam)."""
     param_offload: bool = False
@@ -159,6 +159,8 @@ def validate_common_args(model: ModelArgs, train: TrainArgs, ckpt: CkptArgs, wor
         raise ValueError(f"--zero_stage must be 0, 1, 2 or 3, got {train.zero_stage}")
     if train.param_offload and train.zero_stage != 3:
         raise ValueError("--param_offload needs --zero_stage 3")
+    if train.adam_offload and train.zero_stage == 0:  # DeepSpeedCPUAdam steps ZeRO's CPU partitions, not the module's
+        raise ValueError("--adam_offload needs --zero_stage 1-3 (unset: 2), got --zero_stage 0")
     if model.load_in_4bit and model.lora_rank <= 0:
         raise ValueError("--load_in_4bit (QLoRA) trains LoRA adapters: set --lora_rank > 0")
     if ckpt.merge_lora and model.lora_rank <= 0:
@@ -356,10 +358,10 @@ def precision_config(train: TrainArgs):
 
 def zero_stage(train: TrainArgs, world_size):
     """--zero_stage, resolved for `world_size` trainer ranks (every rank of a ring counts): 0 in a world of one,
-    2 in a larger one, unless set."""
+    2 in a larger one or with --adam_offload (its CPU optimizer steps ZeRO's partitions), unless set."""
     if train.zero_stage is not None:
         return train.zero_stage
-    return 0 if world_size == 1 else 2
+    return 0 if world_size == 1 and not train.adam_offload else 2
 
 
 def deepspeed_config(train: TrainArgs, world_size, ring_size=1):
