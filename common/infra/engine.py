@@ -735,6 +735,8 @@ def load_checkpoint(engine, ckpt_path):
         return None
     with open(latest) as f:
         tag = f.read().strip()
+    check_resume_layout(os.path.join(ckpt_path, tag), checkpoint_layout(os.path.join(ckpt_path, tag)),
+                        (engine.zero_optimization_stage(), engine.seq_dp_world_size))
     _, client_state = engine.load_checkpoint(ckpt_path, tag=tag)
     if client_state is None:
         raise RuntimeError(f"checkpoint {ckpt_path}/{tag} could not be loaded")
@@ -742,6 +744,24 @@ def load_checkpoint(engine, ckpt_path):
     if os.path.exists(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return client_state
+
+
+def checkpoint_layout(tag_dir):
+    """(ZeRO stage, ranks) a DeepSpeed checkpoint was saved under, as DeepSpeed records them in its model states
+    (the config it ran and its data-parallel world size), read without loading the tensors (mmap)."""
+    name = min(f for f in os.listdir(tag_dir) if f.endswith("model_states.pt"))
+    state = torch.load(os.path.join(tag_dir, name), map_location="cpu", mmap=True, weights_only=False)
+    return state["ds_config"].get("zero_optimization", {}).get("stage", 0), state["dp_world_size"]
+
+
+def check_resume_layout(where, saved, resumed):
+    """ValueError unless the checkpoint `where`, saved as (ZeRO stage, ranks) `saved`, resumes as the same: each
+    stage keeps the optimizer states in its own files, partitioned by rank, and DeepSpeed loading another's fails
+    inside DeepSpeed or restarts the Adam moments."""
+    if saved != resumed:
+        raise ValueError(f"{where} was saved under ZeRO-{saved[0]} by {saved[1]} rank(s); this run is "
+                         f"ZeRO-{resumed[0]} with {resumed[1]}: resume with --zero_stage {saved[0]} on {saved[1]} "
+                         "rank(s), or pick another --ckpt_path")
 
 
 # ----------------------------------------------------------------------------------------------
