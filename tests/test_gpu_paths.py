@@ -210,3 +210,20 @@ def test_ring_stand_in_runs_cpu_kernels_on_cpu_and_torch_flash_on_cuda():
     kernel(CudaTensor())
     kernel(dout=CudaTensor(), q=torch.zeros(1))  # ring-flash-attn passes the backward's arguments by name
     assert calls == ["cpu", "cuda", "cuda"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the reward models' device is the GPU only with CUDA")
+def test_reward_models_score_on_the_gpu(tiny_reward_model):
+    """RL's reward-model actor (and generate.py, through the same load_reward_models) scores on the GPU the process
+    has, as the CPU model scores (fp32, 1e-4)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from common.infra.cluster import RewardModels
+    from common.infra.reward import score
+
+    actor = RewardModels([tiny_reward_model], False)
+    assert {p.device.type for p in actor.models[0].parameters()} == {"cuda"}
+    ids = [[5, 6, 7], [8, 9, 10, 11, 12], [40, 41]]
+    cpu = score(AutoModelForSequenceClassification.from_pretrained(tiny_reward_model).eval(), ids)
+    assert cpu.std() > 0.01 and actor.score(ids) == pytest.approx(cpu.tolist(), abs=1e-4)

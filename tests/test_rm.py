@@ -368,6 +368,27 @@ def test_score_with_zero3_eval_engine(rm_start, tmp_path):
 # ----------------------------------------------------------------------------------------------
 # Bad input and argument errors
 # ----------------------------------------------------------------------------------------------
+def test_reward_models_load_on_the_device_they_are_given(tiny_reward_model):
+    """RL's reward-model actor (common.infra.cluster.RewardModels) and generate.py load rm.py's exports with
+    load_reward_models on the device the process has (common.infra.engine.device(): the GPU Ray or torchrun gave
+    it, else the CPU): the models sit on the device asked (meta: placed, nothing computed), and the actor's
+    scores equal a plain CPU model's. tests/test_gpu_paths.py scores on CUDA."""
+    from transformers import AutoModelForSequenceClassification
+
+    from common.infra.cluster import RewardModels
+    from common.infra.engine import device
+    from common.infra.reward import load_reward_models
+
+    models, tokenizer = load_reward_models([tiny_reward_model] * 2, torch.device("meta"))
+    assert len(models) == 2 and tokenizer.name_or_path == tiny_reward_model
+    assert {p.device.type for m in models for p in m.parameters()} == {"meta"} and not models[0].training
+    actor = RewardModels([tiny_reward_model], False)
+    assert {p.device for p in actor.models[0].parameters()} == {device()}
+    ids = [[5, 6, 7], [8, 9, 10, 11, 12], [40, 41]]
+    plain = score(AutoModelForSequenceClassification.from_pretrained(tiny_reward_model).eval(), ids)
+    assert plain.std() > 0.01 and actor.score(ids) == pytest.approx(plain.tolist(), abs=1e-5)
+
+
 def test_bad_rows(assets, tmp_path):
     from transformers import AutoTokenizer
 

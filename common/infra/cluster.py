@@ -325,10 +325,10 @@ class RewardModels:
     """Reward models from rm.py in their own Ray actor: one summed score per text."""
 
     def __init__(self, paths, normalize):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from common.infra.engine import device
+        from common.infra.reward import load_reward_models
 
-        self.models = [AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
-        self.tokenizer, self.normalize = AutoTokenizer.from_pretrained(paths[0]), normalize
+        (self.models, self.tokenizer), self.normalize = load_reward_models(paths, device()), normalize
 
     def score(self, texts):
         from common.infra.reward import score
