@@ -224,6 +224,7 @@ def zero3_teacher_check(path, chunk=4):
     whole_in = hidden.clone().requires_grad_()
     w_kd, w_ce, _ = distill.token_losses(student_head(whole_in).float(), targets, t_hidden @ t_weight.T, args, vocab)
     w_grads = torch.autograd.grad((w_kd + w_ce).sum(), [whole_in, student_head.weight])
+    kd, ce, w_kd, w_ce = (t.detach() for t in (kd, ce, w_kd, w_ce))
     out = torch.tensor([(kd - w_kd).abs().max(), (ce - w_ce).abs().max(),
                         max((a - b).abs().max() for a, b in zip(grads, w_grads))])
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
