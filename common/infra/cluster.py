@@ -138,8 +138,9 @@ def resolve_rollout_args(args, world, trainer_copies, trainer_ranks=None):
 
 
 # one CPU engine's process beside its weights and KV cache: a Ray actor with torch and vLLM loaded, tp 1 (the
-# engine in-process), measured on the tiny Llama: RSS 1.2 GiB, 1.0 GiB of it its own (USS)
-ENGINE_PROCESS_BYTES = int(1.2 * 2**30)
+# engine in-process). benchmarks/bench_engine_memory.py on llama-0.5m after a generation: RSS 816 MiB, of it
+# 18 MiB weights and KV cache and 508 MiB the process's own pages (USS), the rest shared libraries
+ENGINE_PROCESS_BYTES = 800 << 20
 
 
 def default_num_engines(args, world, trainer_copies, trainer_ranks, cores, memory):
