@@ -325,7 +325,7 @@ def token_losses(student_logits, targets, teacher, args: Args, vocab):
         ce = torch.logsumexp(logits, -1) - logits.gather(-1, target[:, None]).squeeze(-1)
         return kd, ce, logits.argmax(-1) == target
 
-    return map_logit_chunks(student_logits, chunk_losses)
+    return map_logit_chunks(student_logits, chunk_losses, also=() if isinstance(teacher, tuple) else (teacher,))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ if importlib.util.find_spec("common") is None:
     sys.exit(f"error: {__file__} cannot import common/: run it with PYTHONPATH=<the minrlhf checkout>")
 from common.data import DataArgs, format_prompt, format_response, reward_model_ids, validate_prompt_args  # noqa: E402
 from common.infra.datasets import load_one, load_tokenizer# noqa: E402
-from common.infra.engine import run, parse_cli  # noqa: E402
+from common.infra.engine import device, run, parse_cli  # noqa: E402
 from common.infra.remote_reward import make_reward_fn  # noqa: E402
 from common.infra.tracking import progress  # noqa: E402
 from common.infra.vllm_engine import (  # noqa: E402
@@ -240,12 +240,10 @@ def main(args: Args):
                                 else (args.remote_rm_url, "--remote_rm_url"))
     reward_fn = make_reward_fn(reward_spec, args.remote_rm_token, flag=reward_flag) if reward_spec else None
     reward_models, rm_tokenizer = [], None
-    if args.reward_pretrain:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    if args.reward_pretrain:  # on the GPU where there is one
+        from common.infra.reward import load_reward_models
 
-        paths = [p for p in args.reward_pretrain.split(",") if p]
-        reward_models = [AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
-        rm_tokenizer = AutoTokenizer.from_pretrained(paths[0])
+        reward_models, rm_tokenizer = load_reward_models([p for p in args.reward_pretrain.split(",") if p], device())
     if todo:
         if args.backend == "vllm":
             longest = max(len(p["prompt_ids"]) for p in todo)

@@ -179,9 +179,10 @@ def parse_args(argv=None):
     if args.colocate_critic_reward and not args.reward_pretrain:
         raise ValueError("--colocate_critic_reward needs --reward_pretrain (there is no reward model to place)")
     # derived settings and the checks that read files, before any model loads
-    copies = 4 * (world + critic_world) + (world if args.init_kl_coef > 0 else 0) + len(
-        [p for p in (args.reward_pretrain or "").split(",") if p])  # fp32 weight copies: trainers, frozen models
-    args = resolve_rollout_args(args, world, copies)  # the reward and environment files load here
+    references = world if args.init_kl_coef > 0 else 0
+    copies = 4 * (world + critic_world) + references  # fp32 weight copies: trainers, reference
+    # the reward and environment files load here; actor, critic and reference ranks compute beside the engines
+    args = resolve_rollout_args(args, world, copies, world + critic_world + references)
     args.critic_pretrain = args.critic_pretrain or (args.reward_pretrain.split(",")[0] if args.reward_pretrain
                                                     else args.model.pretrain)
     if args.deepspeed_enable_sleep and args.train.zero_stage is None:  # the states it moves off the device are ZeRO's

@@ -87,6 +87,23 @@ def sft_reversal(assets, train_batch_size):
 
 
 @pytest.fixture(scope="session")
+def tiny_reward_model(assets, tmp_path_factory):
+    """llama-0.5m as a reward model (AutoModelForSequenceClassification) with a seeded value head, saved with its
+    tokenizer: rewards that differ by sequence, in a second."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = str(tmp_path_factory.mktemp("tiny_rm"))
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(f"{assets}/llama-0.5m", num_labels=1)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 0.5)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(f"{assets}/llama-0.5m").save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def sft_model(assets, tmp_path_factory):
     """The tiny Llama after one epoch of SFT on string reversal (the start point of RM / DPO / KTO tests)."""
     return built_once(tmp_path_factory, "sft_model", sft_reversal(assets, 32))

@@ -212,3 +212,23 @@ def test_ring_stand_in_runs_cpu_kernels_on_cpu_and_torch_flash_on_cuda():
     kernel(CudaTensor())
     kernel(dout=CudaTensor(), q=torch.zeros(1))  # ring-flash-attn passes the backward's arguments by name
     assert calls == ["cpu", "cuda", "cuda"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the reward models' device is the GPU only with CUDA")
+def test_reward_models_score_on_the_gpu(tiny_reward_model):
+    """RL's reward-model actor (and generate.py, through the same load_reward_models) scores on the GPU the process
+    has, as the CPU model scores (fp32, 1e-4)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from common.infra.cluster import RewardModels
+    from common.infra.reward import score
+
+    from common.data import reward_model_ids
+
+    actor = RewardModels([tiny_reward_model], False, False)
+    assert {p.device.type for p in actor.models[0].parameters()} == {"cuda"}
+    prompts, responses = ["reverse: abc", "reverse: hello", "reverse: xy"], ["cba", "olleh", "yx"]
+    ids = [reward_model_ids(actor.tokenizer, p, r, False) for p, r in zip(prompts, responses)]
+    cpu = score(AutoModelForSequenceClassification.from_pretrained(tiny_reward_model).eval(), ids)
+    assert cpu.std() > 0.01 and actor.score(prompts, responses) == pytest.approx(cpu.tolist(), abs=1e-4)

@@ -532,7 +532,7 @@ def test_defaults_resolve_to_the_best_mode_on_one_box(assets):
     import dataclasses
     import math
 
-    from common.infra.cluster import default_num_engines
+    from common.infra.cluster import ENGINE_PROCESS_BYTES, default_num_engines
     from common.infra.engine import TrainArgs, deepspeed_config, zero_stage
     from common.infra.vllm_engine import kv_cache_bytes, weight_bytes
 
@@ -550,19 +550,66 @@ def test_defaults_resolve_to_the_best_mode_on_one_box(assets):
         grpo.parse_args([*required, "--vllm_num_engines", "0"])
     trainers = 2 * weight_bytes(model) * 4  # one rank's fp32 weights, gradients and AdamW moments
 
-    def engines(n):  # n engines: fp32 weights and the KV cache of a share of the 4 prompts x 4 evaluation samples
-        return n * (2 * weight_bytes(model) + kv_cache_bytes(model, 64, math.ceil(4 / n) * 4))
+    def engines(n):  # n engines: fp32 weights, the KV cache of a share of the 4 prompts x 4 evaluation samples and
+        return n * (2 * weight_bytes(model) + kv_cache_bytes(model, 64, math.ceil(4 / n) * 4) + ENGINE_PROCESS_BYTES)
 
-    plenty = 2**40
-    assert default_num_engines(args, 1, 4, 2, plenty) == 2  # one per core
-    assert default_num_engines(args, 1, 4, 16, plenty) == 4  # one per prompt
-    assert default_num_engines(args, 1, 4, 8, trainers + engines(3)) == 3  # as many as the memory holds
-    assert default_num_engines(args, 1, 4, 8, trainers + engines(3) - 1) == 2
-    assert default_num_engines(args, 1, 4, 8, 0) == 1
+    plenty = 2**40  # (its process)
+    assert default_num_engines(args, 1, 4, 1, 2, plenty) == (2, None)  # one per core
+    assert default_num_engines(args, 1, 4, 1, 16, plenty) == (4, None)  # one per prompt
+    assert default_num_engines(args, 1, 4, 1, 8, trainers + engines(3)) == (3, None)  # as many as the memory holds
+    assert default_num_engines(args, 1, 4, 1, 8, trainers + engines(3) - 1) == (2, None)
+    assert default_num_engines(args, 1, 4, 1, 8, 0)[0] == 1
     overlapped = dataclasses.replace(args, async_rollout=dataclasses.replace(args.async_rollout, async_train=True))
-    assert default_num_engines(overlapped, 1, 4, 4, plenty) == 3  # the trainer rank keeps its core
+    assert default_num_engines(overlapped, 1, 4, 1, 4, plenty) == (3, None)  # the trainer rank keeps its core
     colocated = dataclasses.replace(args, cluster=dataclasses.replace(args.cluster, colocate_all_models=True))
-    assert default_num_engines(colocated, 2, 8, 16, plenty) == 2
+    assert default_num_engines(colocated, 2, 8, 2, 16, plenty) == (2, None)
+
+
+def test_default_num_engines_counts_every_process_and_frozen_model(assets):
+    """The CPU memory model of --vllm_num_engines unset, by hand: each engine holds its fp32 weights, its KV cache
+    and its own process (a Ray actor with torch and vLLM loaded: ENGINE_PROCESS_BYTES, measured); the trainers hold
+    their fp32 copies and every --reward_pretrain model one of its own; with --async_train every rank that computes
+    beside the engines keeps a core (ppo.py: actor, critic and reference ranks); with --ray_address the driver's
+    cores and memory say nothing of the cluster (1 engine, and a note); where even one engine does not fit, a
+    warning names the sizes before anything starts."""
+    from common.infra.cluster import ENGINE_PROCESS_BYTES, default_num_engines
+    from common.infra.vllm_engine import kv_cache_bytes, weight_bytes
+
+    model = f"{assets}/llama-0.5m"
+    args = grpo.parse_args(["--pretrain", model, "--prompt_data", "d.jsonl", "--remote_rm_url", REWARD,
+                            "--prompt_max_len", "48", "--generate_max_len", "16", "--rollout_batch_size", "4",
+                            "--n_samples_per_prompt", "2", "--train_batch_size", "8", "--micro_rollout_batch_size",
+                            "8", "--micro_train_batch_size", "8", "--vllm_num_engines", "1"])
+    args = dataclasses.replace(args, cluster=dataclasses.replace(args.cluster, vllm_num_engines=None))
+    weights, trainers = 2 * weight_bytes(model), 4 * 2 * weight_bytes(model)  # fp32: one engine's, 4 trainer copies
+
+    def engines(n):  # n engines: fp32 weights, the KV cache of a share of 4 prompts x 4 evaluation samples, process
+        return n * (weights + kv_cache_bytes(model, 64, math.ceil(4 / n) * 4) + ENGINE_PROCESS_BYTES)
+
+    assert 0.3 * 2**30 < ENGINE_PROCESS_BYTES < 4 * 2**30
+    assert default_num_engines(args, 1, 4, 1, 8, trainers + engines(3)) == (3, None)
+    assert default_num_engines(args, 1, 4, 1, 8, trainers + engines(3) - 1) == (2, None)
+    # without their processes 3 would fit: they must be counted
+    assert default_num_engines(args, 1, 4, 1, 8, trainers + engines(3) - ENGINE_PROCESS_BYTES) == (2, None)
+    rm = dataclasses.replace(args, reward_pretrain=f"{model},{model}")  # two reward models: two fp32 copies more
+    assert default_num_engines(rm, 1, 4, 1, 8, trainers + 2 * weights + engines(3)) == (3, None)
+    assert default_num_engines(rm, 1, 4, 1, 8, trainers + 2 * weights + engines(3) - 1) == (2, None)
+    plenty = 2**40
+    overlapped = dataclasses.replace(args, async_rollout=dataclasses.replace(args.async_rollout, async_train=True))
+    assert default_num_engines(overlapped, 1, 4, 1, 4, plenty) == (3, None)
+    assert default_num_engines(overlapped, 1, 4, 3, 6, plenty) == (3, None)  # actor, critic, reference ranks
+    assert default_num_engines(overlapped, 1, 4, 3, 3, plenty) == (1, None)
+    remote = dataclasses.replace(args, cluster=dataclasses.replace(args.cluster, ray_address="10.0.0.1:6379"))
+    assert default_num_engines(remote, 1, 4, 1, 64, plenty) == (
+        1, "--vllm_num_engines unset with --ray_address: 1 engine (this driver's cores and memory say nothing of the "
+           "cluster's nodes); set --vllm_num_engines to use more")
+    one = engines(1) + trainers
+    count, warning = default_num_engines(args, 1, 4, 1, 8, one - 1)
+    assert count == 1 and warning == (
+        f"one vLLM engine needs {engines(1) / 2**30:.2f} GiB (fp32 weights, the KV cache of 16 sequences of "
+        f"--max_model_len 64, its process) beside the trainers' and frozen models' {trainers / 2**30:.2f} GiB, and "
+        f"this machine has {(one - 1) / 2**30:.2f} GiB available: expect swapping or the OOM killer; lower "
+        "--max_model_len or --rollout_batch_size, or run on a machine with more memory")
 
 
 @pytest.mark.quick

@@ -108,6 +108,15 @@ def test_chunked_head_under_zero3_equals_whole_logits(ring_results):
         assert got["tied"] is tied and got["head_grad"] > 1e-2, (name, got)
 
 
+def test_plain_student_head_agrees_chunks_with_an_offloaded_zero3_teacher(ring_results):
+    """distill.py's token_losses beside --teacher_offload (the teacher's head ZeRO-3, the student's a plain module),
+    ranks with 5 and 13 loss tokens: the run ends (the ranks gather the teacher's head as often) and the chunked
+    KD, CE and student gradients equal whole logits'."""
+    got = ring_results["zero3_teacher"]
+    assert got["kd"] <= 1e-5 and got["ce"] <= 1e-5 and got["grads"] <= 1e-5 and got["kd_min"] > 1e-4, got
+
+
+
 def test_one_deepspeed_step_with_a_ring_equals_one_process(ring_results):
     """SGD, lr 1, no clipping (Adam's first step is about sign(grad) and amplifies noise on tiny gradients)."""
     for stage in (2, 3):
@@ -336,3 +345,4 @@ def test_cpu_kernels_match_flash_attn_on_the_ring_splits():
         cuda = _kernel_results(fa._flash_attn_varlen_forward, fa._flash_attn_varlen_backward, tensors, *cu, "cuda")
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), cpu, cuda):
             assert (a - b).abs().max().item() <= 2e-2 * max(1.0, b.abs().max().item()), (rank, name)
+

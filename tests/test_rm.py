@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import ROOT, load_algo, read_jsonl, run_script
 
-from common.data import BadRow, DataArgs
+from common.data import BadRow, DataArgs, reward_model_ids
 
 from common.infra.datasets import prepare_dataset
 from common.packing import Layout, collate
@@ -372,6 +372,28 @@ def test_score_with_zero3_eval_engine(rm_start, tmp_path):
 # ----------------------------------------------------------------------------------------------
 # Bad input and argument errors
 # ----------------------------------------------------------------------------------------------
+def test_reward_models_load_on_the_device_they_are_given(tiny_reward_model):
+    """RL's reward-model actor (common.infra.cluster.RewardModels) and generate.py load rm.py's exports with
+    load_reward_models on the device the process has (common.infra.engine.device(): the GPU Ray or torchrun gave
+    it, else the CPU): the models sit on the device asked (meta: placed, nothing computed), and the actor's
+    scores equal a plain CPU model's. tests/test_gpu_paths.py scores on CUDA."""
+    from transformers import AutoModelForSequenceClassification
+
+    from common.infra.cluster import RewardModels
+    from common.infra.engine import device
+    from common.infra.reward import load_reward_models
+
+    models, tokenizer = load_reward_models([tiny_reward_model] * 2, torch.device("meta"))
+    assert len(models) == 2 and tokenizer.name_or_path == tiny_reward_model
+    assert {p.device.type for m in models for p in m.parameters()} == {"meta"} and not models[0].training
+    actor = RewardModels([tiny_reward_model], False, False)
+    assert {p.device for p in actor.models[0].parameters()} == {device()}
+    prompts, responses = ["reverse: abc", "reverse: hello", "reverse: xy"], ["cba", "olleh", "yx"]
+    ids = [reward_model_ids(actor.tokenizer, p, r, False) for p, r in zip(prompts, responses)]
+    plain = score(AutoModelForSequenceClassification.from_pretrained(tiny_reward_model).eval(), ids)
+    assert plain.std() > 0.01 and actor.score(prompts, responses) == pytest.approx(plain.tolist(), abs=1e-5)
+
+
 @pytest.mark.quick
 def test_bad_rows(assets, tmp_path):
     from transformers import AutoTokenizer

@@ -251,6 +251,61 @@ def test_resume_reproduces_uninterrupted_run(assets, tmp_path):
     assert max_weight_diff(tmp_path / "resumed", tmp_path / "full") <= 1e-6
 
 
+def test_resume_refuses_a_checkpoint_of_another_zero_stage_or_world(assets, tmp_path):
+    """A checkpoint resumes only under the ZeRO stage and world size it was saved with (each stage keeps the
+    optimizer states in its own layout, partitioned by rank): ZeRO-2 -> ZeRO-0 (DeepSpeed's TypeError otherwise)
+    and ZeRO-0 -> ZeRO-2 (Adam moments silently restarted otherwise) stop with one line naming both and the flag;
+    real checkpoints of one optimizer step in a world of one."""
+    from common.infra.engine import check_resume_layout
+
+    check_resume_layout("c/global_step4", (2, 2), (2, 2))
+    with pytest.raises(ValueError, match=r"^c/global_step4 was saved under ZeRO-3 by 4 rank\(s\); this run is ZeRO-3 "
+                                         r"with 2: resume with --zero_stage 3 on 4 rank\(s\), or pick another "
+                                         r"--ckpt_path$"):
+        check_resume_layout("c/global_step4", (3, 4), (3, 2))
+    out = tmp_path / "outcomes.json"
+    proc = subprocess.run([sys.executable, __file__, "layouts", f"{assets}/llama-0.5m", str(tmp_path), str(out)],
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    hint = "or pick another --ckpt_path"
+    assert json.loads(out.read_text()) == {
+        "zero2 -> zero0": f"ValueError: {tmp_path}/zero2/global_step1 was saved under ZeRO-2 by 1 rank(s); this run "
+                          f"is ZeRO-0 with 1: resume with --zero_stage 2 on 1 rank(s), {hint}",
+        "zero0 -> zero2": f"ValueError: {tmp_path}/zero0/global_step1 was saved under ZeRO-0 by 1 rank(s); this run "
+                          f"is ZeRO-2 with 1: resume with --zero_stage 0 on 1 rank(s), {hint}",
+        "zero2 -> zero2": "resumed at step 1",
+    }
+
+
+def layouts_worker(model_dir, root, out_file):
+    """One optimizer step and a checkpoint under ZeRO-0 and under ZeRO-2 (a world of one), then each engine loads
+    the other's checkpoint, and ZeRO-2 its own: the outcomes, as text."""
+    from common.infra.engine import ModelArgs, TrainArgs, create_train_engine, deepspeed_config, init_distributed, \
+        load_causal_lm, load_checkpoint, optimizer_step, save_checkpoint
+
+    init_distributed()
+    engines = {}
+    for stage in (0, 2):
+        train = TrainArgs(zero_stage=stage, micro_train_batch_size=4, train_batch_size=4, learning_rate=1e-3,
+                          lr_scheduler="constant", param_dtype="fp32")
+        ds_config = deepspeed_config(train, 1)
+        engines[stage] = create_train_engine(load_causal_lm(ModelArgs(pretrain=model_dir), ds_config), train,
+                                             ds_config, 1)
+        engines[stage].backward(clipping_loss(engines[stage], clipping_batch(0)))
+        optimizer_step(engines[stage])
+        save_checkpoint(engines[stage], f"{root}/zero{stage}", 1, {"global_step": 1}, 1)
+    outcomes = {}
+    for saved, stage in ((2, 0), (0, 2), (2, 2)):
+        try:
+            state = load_checkpoint(engines[stage], f"{root}/zero{saved}")
+            outcomes[f"zero{saved} -> zero{stage}"] = f"resumed at step {state['global_step']}"
+        except Exception as e:  # the outcome is the test's to judge
+            outcomes[f"zero{saved} -> zero{stage}"] = f"{type(e).__name__}: {e}"
+    with open(out_file, "w") as f:
+        json.dump(outcomes, f)
+
+
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_lora_merged_export_equals_base_plus_adapter(assets, tmp_path, zero_stage):
     data = f"{assets}/data/reverse/sft_train.jsonl"
@@ -382,6 +437,20 @@ def test_argument_errors_before_model_load(assets, monkeypatch):
     assert "Loading weights" not in proc.stderr + proc.stdout
 
 
+def test_adam_offload_resolves_to_a_zero_stage_that_offloads():
+    """--adam_offload hands DeepSpeedCPUAdam ZeRO's optimizer partitions: unset --zero_stage resolves to 2 with it
+    in a world of one too (ZeRO-0 would give it the device's master weights), and --zero_stage 0 with it is refused."""
+    from common.infra.engine import CkptArgs, ModelArgs, TrainArgs, deepspeed_config, validate_common_args, zero_stage
+
+    offload = TrainArgs(adam_offload=True, train_batch_size=8, micro_train_batch_size=8)
+    assert [zero_stage(offload, n) for n in (1, 2)] == [2, 2] and zero_stage(TrainArgs(), 1) == 0
+    assert deepspeed_config(offload, 1)["zero_optimization"]["stage"] == 2
+    assert zero_stage(TrainArgs(adam_offload=True, zero_stage=3), 1) == 3
+    with pytest.raises(ValueError, match=r"^--adam_offload needs --zero_stage 1-3 \(unset: 2\), got --zero_stage 0$"):
+        validate_common_args(ModelArgs(pretrain="m"), TrainArgs(adam_offload=True, zero_stage=0, train_batch_size=8,
+                                                                micro_train_batch_size=8), CkptArgs(), 1)
+
+
 def test_a_copied_script_sees_its_own_tokenize_edit(assets, tmp_path):
     """The tokenization cache is keyed by the whole script file: a copy whose `tokenize` helper differs
     (the row function itself unchanged) tokenizes afresh instead of reading the parent's cached rows."""
@@ -414,3 +483,5 @@ def test_evaluation_schedule_is_one_rule():
 
 if __name__ == "__main__" and sys.argv[1] == "clipping":
     clipping_worker(*sys.argv[2:])
+if __name__ == "__main__" and sys.argv[1] == "layouts":
+    layouts_worker(*sys.argv[2:])

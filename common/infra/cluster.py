@@ -25,10 +25,10 @@ from common.infra.vllm_engine import resolve_max_model_len
 class ClusterArgs:
     vllm_num_engines: Optional[int] = None
     """vLLM engines (each --vllm_tensor_parallel_size devices). Default: with --colocate_all_models one per
-    trainer device; else 1 on CUDA; on CPU one per core (an engine's decode loop keeps one core busy, and the
-    trainers wait while the engines generate; with --async_train the cores beside the trainer ranks), at most one
-    per rollout prompt and as many as the memory available at start holds beside the trainers
-    (default_num_engines)."""
+    trainer device; else 1 on CUDA or with --ray_address (the driver's cores and memory are not the cluster's); on
+    CPU one per core (an engine's decode loop keeps one core busy, and the trainers wait while the engines
+    generate; with --async_train the cores beside the trainer ranks), at most one per rollout prompt and as many
+    as the memory available at start holds beside the trainers and reward models (default_num_engines)."""
     colocate_all_models: bool = False
     """Put every model of the run (trainers, reference, critic, vLLM engines, reward models) on the (actor)
     trainers' devices, one placement-group bundle each."""
@@ -108,12 +108,13 @@ def model_len_needed(args):
     return max(args.prompt_max_len + args.generate_max_len, episode)
 
 
-def resolve_rollout_args(args, world, trainer_copies):
+def resolve_rollout_args(args, world, trainer_copies, trainer_ranks=None):
     """The one step after validate_rollout_args that reads files and fills derived settings: the --remote_rm_url
     reward file and the --agent_func_path environment are loaded (a missing file or function fails now, not after
     the models load), --max_episode_tokens, --max_model_len (from the model's config) and --vllm_num_engines
-    (default_num_engines) are filled, and --temperature != 1 and --top_p < 1 are warned about.
-    Returns a copy of args with those filled."""
+    (default_num_engines, with `trainer_copies` and `trainer_ranks` as it takes them; trainer_ranks None: the
+    `world` trainer ranks) are filled, and --temperature != 1 and --top_p < 1 are warned about. Returns a copy of
+    args with those filled."""
     if args.remote_rm_url and not args.remote_rm_url.startswith(("http://", "https://")):
         from common.infra.remote_reward import load_reward_func
 
@@ -133,34 +134,58 @@ def resolve_rollout_args(args, world, trainer_copies):
               file=sys.stderr)
     args = replace(args, agent=agent, engine=engine)
     if args.cluster.vllm_num_engines is None:
-        engines = default_num_engines(args, world, trainer_copies, len(os.sched_getaffinity(0)), available_memory())
+        engines, warning = default_num_engines(args, world, trainer_copies, trainer_ranks or world,
+                                               len(os.sched_getaffinity(0)), available_memory())
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
         args = replace(args, cluster=replace(args.cluster, vllm_num_engines=engines))
     return args
 
 
-def default_num_engines(args, world, trainer_copies, cores, memory):
-    """--vllm_num_engines unset (after resolve_max_model_len): one engine per trainer device with
-    --colocate_all_models, 1 on CUDA, and on CPU one per core the engines may take of `cores` (all of them, as the
-    trainers wait while the engines generate; those beside the `world` trainer ranks with --async_train), at most
-    one per rollout prompt, and no more than `memory` bytes hold once the trainers have their `trainer_copies` fp32
-    copies of the weights (4 per training rank: weights, gradients, two AdamW moments; 1 per frozen replica), each
-    engine holding its weights and the KV cache of its share (engine_max_num_seqs, vllm_engine.kv_cache_bytes)."""
+# one CPU engine's process beside its weights and KV cache: a Ray actor with torch and vLLM loaded, tp 1 (the
+# engine in-process). benchmarks/bench_engine_memory.py on llama-0.5m after a generation: RSS 816 MiB, of it
+# 18 MiB weights and KV cache and 508 MiB the process's own pages (USS), the rest shared libraries
+ENGINE_PROCESS_BYTES = 800 << 20
+
+
+def default_num_engines(args, world, trainer_copies, trainer_ranks, cores, memory):
+    """--vllm_num_engines unset (after resolve_max_model_len), and a warning or None: one engine per trainer device
+    with --colocate_all_models; 1 with --ray_address (this driver's `cores` and `memory` are not the cluster's
+    nodes': a note says so) and on CUDA; on CPU one per core the engines may take of `cores` (all of them, as the
+    trainers wait while the engines generate; those beside the `trainer_ranks` ranks that compute while they
+    generate with --async_train), at most one per rollout prompt, and no more than `memory` bytes hold once the
+    trainers have their `trainer_copies` fp32 copies of the policy's weights (4 per training rank: weights,
+    gradients, two AdamW moments; 1 per frozen replica) and every --reward_pretrain model its fp32 weights, each
+    engine holding its weights, the KV cache of its share (engine_max_num_seqs, vllm_engine.kv_cache_bytes) and
+    its process (ENGINE_PROCESS_BYTES). Where even one engine does not fit, the warning names the sizes."""
     from common.infra.vllm_engine import kv_cache_bytes, weight_bytes
 
     if args.cluster.colocate_all_models:
-        return world // args.engine.tp_size
+        return world // args.engine.tp_size, None
+    if args.cluster.ray_address:
+        return 1, ("--vllm_num_engines unset with --ray_address: 1 engine (this driver's cores and memory say "
+                   "nothing of the cluster's nodes); set --vllm_num_engines to use more")
     if torch.cuda.is_available():
-        return 1
-    cores = cores - (world if args.async_rollout.async_train else 0)
+        return 1, None
+    cores = cores - (trainer_ranks if args.async_rollout.async_train else 0)
     bf16 = uses_bf16(args.train)  # on CPU the trainers keep fp32 weights either way
     bf16_weights = weight_bytes(args.model.pretrain)
-    free = memory - 2 * bf16_weights * trainer_copies
-    for engines in range(max(1, min(cores, args.rollout_batch_size)), 1, -1):  # the most that fit
+    taken = 2 * bf16_weights * trainer_copies + sum(2 * weight_bytes(p) for p in (args.reward_pretrain or "").split(",")
+                                                    if p)
+
+    def need(engines):
         kv = kv_cache_bytes(args.model.pretrain, args.engine.max_model_len, engine_max_num_seqs(args, engines),
                             dtype_bytes=2 if bf16 else 4)
-        if engines * (bf16_weights * (1 if bf16 else 2) + kv) <= free:
-            return engines
-    return 1
+        return engines * (bf16_weights * (1 if bf16 else 2) + kv + ENGINE_PROCESS_BYTES)
+
+    for engines in range(max(1, min(cores, args.rollout_batch_size)), 0, -1):  # the most that fit
+        if need(engines) <= memory - taken:
+            return engines, None
+    return 1, (f"one vLLM engine needs {need(1) / 2**30:.2f} GiB ({'bf16' if bf16 else 'fp32'} weights, the KV cache "
+               f"of {engine_max_num_seqs(args, 1)} sequences of --max_model_len {args.engine.max_model_len}, its "
+               f"process) beside the trainers' and frozen models' {taken / 2**30:.2f} GiB, and this machine has "
+               f"{memory / 2**30:.2f} GiB available: expect swapping or the OOM killer; lower --max_model_len or "
+               "--rollout_batch_size, or run on a machine with more memory")
 
 
 def engine_max_num_seqs(args, engines):
@@ -333,10 +358,10 @@ class RewardModels:
     """Reward models from rm.py in their own Ray actor: one summed score per prompt and response text."""
 
     def __init__(self, paths, normalize, apply_chat_template):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from common.infra.engine import device
+        from common.infra.reward import load_reward_models
 
-        self.models = [AutoModelForSequenceClassification.from_pretrained(p).eval() for p in paths]
-        self.tokenizer, self.normalize = AutoTokenizer.from_pretrained(paths[0]), normalize
+        (self.models, self.tokenizer), self.normalize = load_reward_models(paths, device()), normalize
         self.apply_chat_template = apply_chat_template
 
     def score(self, prompt_texts, responses):

@@ -84,7 +84,7 @@ class TrainArgs:
     """Gradient clipping norm (0: off)."""
     zero_stage: Optional[int] = None
     """DeepSpeed ZeRO stage: 0, 1, 2 or 3 (default: 0 in a world of one rank, where ZeRO would partition nothing
-    and only add its gradient copies; 2 in a larger world)."""
+    and only add its gradient copies; 2 in a larger world or with --adam_offload)."""
     adam_offload: bool = False
     """Keep optimizer states on the CPU (DeepSpeedCPUAdam)."""
     param_offload: bool = False
@@ -159,6 +159,8 @@ def validate_common_args(model: ModelArgs, train: TrainArgs, ckpt: CkptArgs, wor
         raise ValueError(f"--zero_stage must be 0, 1, 2 or 3, got {train.zero_stage}")
     if train.param_offload and train.zero_stage != 3:
         raise ValueError("--param_offload needs --zero_stage 3")
+    if train.adam_offload and train.zero_stage == 0:  # DeepSpeedCPUAdam steps ZeRO's CPU partitions, not the module's
+        raise ValueError("--adam_offload needs --zero_stage 1-3 (unset: 2), got --zero_stage 0")
     if model.load_in_4bit and model.lora_rank <= 0:
         raise ValueError("--load_in_4bit (QLoRA) trains LoRA adapters: set --lora_rank > 0")
     if ckpt.merge_lora and model.lora_rank <= 0:
@@ -356,10 +358,10 @@ def precision_config(train: TrainArgs):
 
 def zero_stage(train: TrainArgs, world_size):
     """--zero_stage, resolved for `world_size` trainer ranks (every rank of a ring counts): 0 in a world of one,
-    2 in a larger one, unless set."""
+    2 in a larger one or with --adam_offload (its CPU optimizer steps ZeRO's partitions), unless set."""
     if train.zero_stage is not None:
         return train.zero_stage
-    return 0 if world_size == 1 else 2
+    return 0 if world_size == 1 and not train.adam_offload else 2
 
 
 def deepspeed_config(train: TrainArgs, world_size, ring_size=1):
@@ -733,6 +735,8 @@ def load_checkpoint(engine, ckpt_path):
         return None
     with open(latest) as f:
         tag = f.read().strip()
+    check_resume_layout(os.path.join(ckpt_path, tag), checkpoint_layout(os.path.join(ckpt_path, tag)),
+                        (engine.zero_optimization_stage(), engine.seq_dp_world_size))
     _, client_state = engine.load_checkpoint(ckpt_path, tag=tag)
     if client_state is None:
         raise RuntimeError(f"checkpoint {ckpt_path}/{tag} could not be loaded")
@@ -740,6 +744,24 @@ def load_checkpoint(engine, ckpt_path):
     if os.path.exists(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))
     return client_state
+
+
+def checkpoint_layout(tag_dir):
+    """(ZeRO stage, ranks) a DeepSpeed checkpoint was saved under, as DeepSpeed records them in its model states
+    (the config it ran and its data-parallel world size), read without loading the tensors (mmap)."""
+    name = min(f for f in os.listdir(tag_dir) if f.endswith("model_states.pt"))
+    state = torch.load(os.path.join(tag_dir, name), map_location="cpu", mmap=True, weights_only=False)
+    return state["ds_config"].get("zero_optimization", {}).get("stage", 0), state["dp_world_size"]
+
+
+def check_resume_layout(where, saved, resumed):
+    """ValueError unless the checkpoint `where`, saved as (ZeRO stage, ranks) `saved`, resumes as the same: each
+    stage keeps the optimizer states in its own files, partitioned by rank, and DeepSpeed loading another's fails
+    inside DeepSpeed or restarts the Adam moments."""
+    if saved != resumed:
+        raise ValueError(f"{where} was saved under ZeRO-{saved[0]} by {saved[1]} rank(s); this run is "
+                         f"ZeRO-{resumed[0]} with {resumed[1]}: resume with --zero_stage {saved[0]} on {saved[1]} "
+                         "rank(s), or pick another --ckpt_path")
 
 
 # ----------------------------------------------------------------------------------------------

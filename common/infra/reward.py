@@ -116,3 +116,13 @@ def score(models, sequences, tokenizer=None, normalize=False, weights=None, batc
             rewards = (rewards - config.mean) / config.std
         total += weight * rewards
     return total
+
+
+def load_reward_models(paths, device):
+    """rm.py's exports at `paths` (AutoModelForSequenceClassification) in eval mode on `device` (RL's reward-model
+    actor and generate.py pass common.infra.engine.device(): the GPU Ray or the launcher gave the process, else the
+    CPU), and the first one's tokenizer (score() needs them to share it)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    models = [AutoModelForSequenceClassification.from_pretrained(p).to(device).eval() for p in paths]
+    return models, AutoTokenizer.from_pretrained(paths[0])

@@ -125,12 +125,12 @@ def chunked_head(hidden, weight, targets, chunk_tokens, bias=None, with_entropy=
     return requested(logp, lse, entropy, hit, with_entropy, with_argmax)
 
 
-def agreed_chunks(tokens, chunk_tokens, head, device):
-    """Chunks of at most `chunk_tokens` for `tokens` tokens; under ZeRO-3 (a partitioned `head`) the largest count
-    any rank needs, since every head call gathers its weight collectively (a rank with fewer tokens takes smaller
-    chunks)."""
+def agreed_chunks(tokens, chunk_tokens, heads, device):
+    """Chunks of at most `chunk_tokens` for `tokens` tokens; where any of the head modules a chunk calls is ZeRO-3
+    partitioned, the largest count any rank needs, since every call of that head gathers its weight collectively (a
+    rank with fewer tokens takes smaller chunks)."""
     chunks = max(1, -(-tokens // int(chunk_tokens)))
-    if dist.is_initialized() and any(hasattr(p, "ds_id") for p in head.parameters()):
+    if dist.is_initialized() and any(hasattr(p, "ds_id") for head in heads for p in head.parameters()):
         count = torch.tensor(chunks, device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         chunks = int(count)
@@ -168,7 +168,7 @@ def module_chunked_head(head, hidden, targets, chunk_tokens, with_entropy=False,
     recomputes them one chunk at a time, the module's hooks running both times. Under ZeRO-3 every call gathers
     the head weight collectively, so the ranks agree on the number of chunks (the largest any rank needs; a rank
     with fewer tokens takes smaller chunks)."""
-    chunks = agreed_chunks(hidden.shape[0], chunk_tokens, head, hidden.device)
+    chunks = agreed_chunks(hidden.shape[0], chunk_tokens, [head], hidden.device)
     parts = [checkpoint(_head_chunk, head, h, t, with_entropy, with_argmax, autocast_dtype, use_reentrant=False)
              for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks))]
     logp, lse, entropy, hit = (torch.cat(values) for values in zip(*parts))
@@ -336,18 +336,21 @@ def head_logits_at(model, batch, rows, cols):
                       head_chunk_tokens(model))
 
 
-def map_logit_chunks(logits, fn):
+def map_logit_chunks(logits, fn, also=()):
     """fn over the tokens of `logits`, concatenated: fn(chunk, s, e) takes tokens s..e-1's float32 logits
     (e - s, vocab) and returns a tuple of per-token tensors (e - s, ...) or Nones (which stay None). A (tokens,
     vocab) tensor goes to fn whole; a HeadLogits goes a chunk at a time, each under torch.utils.checkpoint where
     gradients flow, so the chunk's logits and fn's temporaries are freed after forward and recomputed in backward:
     the extra memory is O(chunk x vocab), the price the head once more per chunk (and whatever fn computes, such as
-    a live teacher's logits). Under ZeRO-3 every head call gathers its weight collectively, so the ranks agree on
-    the number of chunks (the largest any rank needs), as module_chunked_head does."""
+    a live teacher's logits). `also`: the other logits fn slices per chunk (a live teacher's; tensors or
+    HeadLogits). Under ZeRO-3 every head call gathers its weight collectively, so where the head of `logits` or of
+    any HeadLogits in `also` is partitioned the ranks agree on the number of chunks (the largest any rank needs),
+    as module_chunked_head does."""
     if torch.is_tensor(logits):
         return tuple(fn(logits, 0, len(logits)))
     n = len(logits)
-    chunks = agreed_chunks(n, logits.chunk_tokens, logits.head, logits.hidden.device)
+    heads = [x.head for x in (logits, *also) if isinstance(x, HeadLogits)]
+    chunks = agreed_chunks(n, logits.chunk_tokens, heads, logits.hidden.device)
     grads = torch.is_grad_enabled() and not logits.frozen and (
         logits.hidden.requires_grad or any(p.requires_grad for p in logits.head.parameters()))
     parts, e = [], 0

@@ -9,7 +9,9 @@ ranks against one process with full attention, written as max differences to a J
                                             against the same step taken by one process
     ring_check.py all    OUT MODEL_DIR...   both (the step on the last model)
     ... --zero3_head MODEL_DIR...           after the other arguments: the chunked LM head against whole logits
-                                            under DeepSpeed ZeRO-3 on these models, each rank on its own row
+                                            under DeepSpeed ZeRO-3 on these models, each rank on its own row;
+                                            and distill.py's token_losses of a plain student head beside an
+                                            offloaded ZeRO-3 teacher on the first
 """
 
 import json
@@ -19,7 +21,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 from common.infra.engine import (  # noqa: E402
     ModelArgs, TrainArgs, deepspeed_config, finish, init_distributed, load_causal_lm,
 )
@@ -181,6 +184,55 @@ def zero3_head_check(path, chunk=16):
             "hits": int(hits.sum()), "same_grad_names": c_grads.keys() == grads.keys()}
 
 
+def zero3_teacher_check(path, chunk=4):
+    """distill.py's token_losses with --teacher_offload beside a student that is not ZeRO-3: the student's chunked
+    head is a plain module, the live teacher's head ZeRO-3 partitioned with its parameters on the CPU, and each
+    student chunk reads the teacher's logits of the same tokens (a collective gather). The ranks hold 5 and 13 loss
+    tokens (2 and 4 chunks of 4), so they must agree on 4 to gather the teacher as often, in forward and in the
+    backward's recompute. KD + CE losses and the student's gradients against whole logits, as max absolute
+    differences over both ranks."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import deepspeed
+
+    from common.infra.engine import create_eval_engine, deepspeed_eval_config
+    from common.kernels.chunked_head import HeadLogits
+    from common.packing import unwrap
+
+    spec = importlib.util.spec_from_file_location("distill", os.path.join(ROOT, "algos", "distill.py"))
+    distill = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(distill)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    student_head = load(path, "sdpa").lm_head
+    ds_config = deepspeed_eval_config(TrainArgs(train_batch_size=world, micro_train_batch_size=1,
+                                                param_dtype="fp32"), world, offload=True)
+    teacher = create_eval_engine(load_causal_lm(ModelArgs(pretrain=path), ds_config), ds_config)
+    teacher_head = unwrap(teacher).lm_head
+    assert teacher_head.weight.numel() == 0 and student_head.weight.numel() > 0
+    g = torch.Generator().manual_seed(rank)
+    tokens, (vocab, width) = (5, 13)[rank], student_head.weight.shape
+    hidden, t_hidden = torch.randn(tokens, width, generator=g), 3 * torch.randn(tokens, width, generator=g)
+    targets = torch.randint(0, vocab, (tokens,), generator=g)
+    args = SimpleNamespace(teacher_top_k=0, divergence="forward_kl", jsd_beta=0.5, temperature=2.0)
+    chunked_in = hidden.clone().requires_grad_()
+    kd, ce, _ = distill.token_losses(HeadLogits(chunked_in, student_head, None, chunk),
+                                     targets, HeadLogits(t_hidden, teacher_head, None, chunk).detach(), args, vocab)
+    grads = torch.autograd.grad((kd + ce).sum(), [chunked_in, student_head.weight])
+    with deepspeed.zero.GatheredParameters([teacher_head.weight]):
+        t_weight = teacher_head.weight.detach().clone()
+    whole_in = hidden.clone().requires_grad_()
+    w_kd, w_ce, _ = distill.token_losses(student_head(whole_in).float(), targets, t_hidden @ t_weight.T, args, vocab)
+    w_grads = torch.autograd.grad((w_kd + w_ce).sum(), [whole_in, student_head.weight])
+    kd, ce, w_kd, w_ce = (t.detach() for t in (kd, ce, w_kd, w_ce))
+    out = torch.tensor([(kd - w_kd).abs().max(), (ce - w_ce).abs().max(),
+                        max((a - b).abs().max() for a, b in zip(grads, w_grads))])
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    least = kd.min().detach()  # the KD term is not trivially 0 on either rank
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    return {"kd": out[0].item(), "ce": out[1].item(), "grads": out[2].item(), "kd_min": least.item()}
+
+
 def count_kernel_calls(_count=[0]):
     """Varlen kernel calls so far (ring-flash-attn's llama3 module calls it once per group of --ring_head_stride
     KV heads per layer): the first call puts a counter around the function that module imported."""
@@ -270,7 +322,8 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     result = {**(model_checks(paths) if mode in ("model", "all") else {}),
               **(step_checks(paths[-1]) if mode in ("step", "all") else {}),
-              **{f"zero3_head/{os.path.basename(p)}": zero3_head_check(p) for p in head_paths}}
+              **{f"zero3_head/{os.path.basename(p)}": zero3_head_check(p) for p in head_paths},
+              **({"zero3_teacher": zero3_teacher_check(head_paths[0])} if head_paths else {})}
     result["flash_attn_imported"] = "flash_attn" in sys.modules
     if dist.get_rank() == 0:
         with open(out_file, "w") as f:
