@@ -539,7 +539,7 @@ def main(argv=None):
                f"{where if args.rehearse else ''}; archive {os.path.join(args.out, ARCHIVE)}")
     if failed:
         report.say(f"rerun the failed: bash launch/gpu_device_check.sh \"$OUT\" --steps {','.join(failed)}"
-                   f"{' --rehearse' if args.rehearse else ''}")
+                   f"{' --rehearse' if args.rehearse else ''}; s=$?; rm -rf \"$OUT/steps\"; exit $s")
     report.write()
     return 1 if failed else 0
 
