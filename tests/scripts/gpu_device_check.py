@@ -17,6 +17,7 @@ memory, the freed bytes, MFU against the GPU's peak) is named by step.
 """
 
 import argparse
+import concurrent.futures
 import hashlib
 import importlib
 import json
@@ -41,6 +42,7 @@ TOLERANCE_BF16 = 2e-2  # bf16 keeps 8 mantissa bits: relative error ~4e-3 a roun
 TOLERANCE_FP32 = 1e-4
 TRAIN_STEPS = {"cuda": 20, "cpu": 2}  # optimizer steps a training step runs (batch 8)
 ARCHIVE = "device_check.tar.gz"
+REFERENCES = concurrent.futures.ThreadPoolExecutor(1)  # the fp32 CPU runs, beside the steps' own
 
 STEP_MODULES = {  # imported before the step runs, so a step run alone has what it loads by name (varlen_sdpa)
     "env": ["torch", "transformers"],
@@ -343,9 +345,11 @@ def _train(script, zero_stage, dtype, work, reference=False):
 
 
 def _reference(script, cache={}):
-    """The same run on this machine's CPU in fp32 (ZeRO-0), once per script."""
+    """The same run on this machine's CPU in fp32 (ZeRO-0), once per script, started beside the step's own run (a
+    future of its metrics)."""
     if script not in cache:
-        cache[script] = _train(script, None, "fp32", tempfile.mkdtemp(prefix="minrlhf_ref_"), reference=True)
+        cache[script] = REFERENCES.submit(_train, script, None, "fp32", tempfile.mkdtemp(prefix="minrlhf_ref_"),
+                                          reference=True)
     return cache[script]
 
 
@@ -357,7 +361,8 @@ def _train_step(script, zero_stage):
 
     work = tempfile.mkdtemp(prefix=f"{script[:-3]}_z{zero_stage}_")
     dtype = "bf16" if zero_stage is not None or DEV["device"] == "cpu" else None  # CPU's default would be fp32
-    rows, ref = _train(script, zero_stage, dtype, work), _reference(script)
+    reference = _reference(script)
+    rows, ref = _train(script, zero_stage, dtype, work), reference.result()
     losses = [r["train/loss"] for r in rows]
     figures = {"losses": losses, "grad_norms": [r["train/grad_norm"] for r in rows],
                "fp32_losses": [r["train/loss"] for r in ref], "fp32_grad_norms": [r["train/grad_norm"] for r in ref]}
