@@ -533,7 +533,10 @@ def main(argv=None):
     report.say("PROBE " + " ".join(f"{k}={v}" for k, v in probe().items()))
     if not args.rehearse and "offload_states" in steps:
         DEV["fused_adam"] = build_fused_adam()
-    for script in sorted({f"{s.split('_')[0]}.py" for s in steps if s.startswith(("sft_", "dpo_"))}):
+    references = sorted({f"{s.split('_')[0]}.py" for s in steps if s.startswith(("sft_", "dpo_"))})
+    if references:
+        _assets()  # here, not in two threads at once: building the tiny models seeds torch's one global generator
+    for script in references:
         _reference(script)  # the fp32 CPU runs start now, beside the first steps
     for step in steps:
         t = time.time()
