@@ -508,8 +508,8 @@ def build_fused_adam():
     """DeepSpeed's FusedAdam JIT build (the offload step's optimizer needs it), started at t = 0 in the background
     so it compiles while the other steps run."""
     code = "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()"
-    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile("w+")  # not a pipe: nobody reads it until the step, and a full pipe would stall
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log
 
 
 def main(argv=None):
@@ -546,9 +546,10 @@ def main(argv=None):
             for module in STEP_MODULES[step]:
                 importlib.import_module(module)
             if step == "offload_states" and "fused_adam" in DEV:
-                build = DEV.pop("fused_adam")
+                build, log = DEV.pop("fused_adam")
                 if build.wait() != 0:
-                    raise RuntimeError(f"FusedAdam build: {build.stderr.read()[-1500:]}")
+                    log.seek(0)
+                    raise RuntimeError(f"FusedAdam build: {log.read()[-1500:]}")
             ok, figure, bar, data = STEPS[step]()
         except Exception as e:  # noqa: BLE001  (a failed step is a FAIL line; the others still run)
             ok, figure, bar, data = False, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}", "-", {
