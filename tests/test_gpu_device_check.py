@@ -20,6 +20,7 @@ from conftest import ROOT
 sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
 
 
+@pytest.mark.quick
 def test_device_check_dry_run(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "scripts", "gpu_device_check.py"), "--dry-run",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -67,6 +68,7 @@ def test_gpu_checks_fail_on_skips_and_fit_a_device_command():
     assert "timeout 570" in script and "SKIPPED" in script and "gpu_test_modules.py" in script
 
 
+@pytest.mark.quick
 def test_gpu_requirements_have_what_gpu_checks_use():
     """gpu_checks.sh's pytest flags come from plugins that requirements-gpu.txt installs."""
     script = open(os.path.join(ROOT, "launch", "gpu_checks.sh")).read()
@@ -75,6 +77,7 @@ def test_gpu_requirements_have_what_gpu_checks_use():
     assert "--timeout" in script and "pytest-timeout" in names
 
 
+@pytest.mark.quick
 def test_step_run_alone(tmp_path):
     """--steps packed_vs_padded alone loads its model by the name varlen_sdpa (registered by the step's own
     modules, not by an earlier step), and its result lands under --out: steps/<step>.json, summary.json, the log
