@@ -113,8 +113,10 @@ def test_value_loss_clipped_by_hand():
 
 @pytest.mark.quick
 def test_critic_values_packed_padded_and_as_sequence_classification(assets, tmp_path):
-    """token_values on packed rows = on padded rows (1e-5), and the value before token t is what
-    AutoModelForSequenceClassification gives for the prefix ids[:t] (the critic export's own forward)."""
+    """token_values on packed rows = on padded rows, and the value before token t is what
+    AutoModelForSequenceClassification gives for the prefix ids[:t] (the critic export's own forward), both to
+    2e-5 of the values' scale: fp32 attention sums in another order on each path, and the order differs by CPU
+    (3e-6 on an AMX Xeon, 2e-5 on another machine, with values up to 7.5)."""
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(0)
@@ -130,12 +132,13 @@ def test_critic_values_packed_padded_and_as_sequence_classification(assets, tmp_
     with torch.no_grad():
         vp = ppo.unpack(ppo.token_values(exported, packed), packed)
         vq = ppo.unpack(ppo.token_values(exported, padded), padded)
-        assert max((a - b).abs().max().item() for a, b in zip(vp, vq)) <= 1e-5
+        tolerance = 2e-5 * max(v.abs().max().item() for v in vp)
+        assert max((a - b).abs().max().item() for a, b in zip(vp, vq)) <= tolerance
         for s, v in zip(samples, vp):
             ids = s["prompt_ids"] + s["response_ids"]
             for t in range(len(s["prompt_ids"]), len(ids)):
                 want = exported(input_ids=torch.tensor([ids[:t]])).logits[0, 0].item()
-                assert abs(v[t].item() - want) <= 1e-5
+                assert abs(v[t].item() - want) <= tolerance
     assert max(v.abs().max().item() for v in vp) > 1e-2  # a real head, not zeros
 
 
