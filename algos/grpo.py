@@ -53,20 +53,17 @@ if importlib.util.find_spec("common") is None:
     sys.exit(f"error: {__file__} cannot import common/: run it with PYTHONPATH=<the minrlhf checkout>")
 from common.infra.datasets import load_tokenizer  # noqa: E402
 from common.infra.cluster import (  # noqa: E402
-    environment, join_group, load_prompts, off_policy, reference_args, rendezvous_address, reward_function,
-    resolve_rollout_args, rollout_steps, start_engines, start_group, start_ray, start_reward_models, trainer_bundles,
-    validate_rollout_args, weight_sync,
+    environment, load_prompts, off_policy, reference_args, reward_function, resolve_rollout_args, rollout_steps,
+    start_engines, start_ray, start_reward_models, trainer_bundles, validate_rollout_args,
 )
-from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
+from common.infra.roles import RoleFailed, Roles  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, all_reduce_sum, backward_step, device, frozen_engine, load_checkpoint, parse_cli,
-    run, save_checkpoint, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args,
+    CkptArgs, parse_cli, run, script_ckpt_args, validate_common_args,
 )
-from common.packing import to_device, unpack  # noqa: E402
+from common.infra.trainer_actor import TrainerSpec, each_ring, per_token, start_group, start_ranks  # noqa: E402
 from common.ring_attention import ring_model_args, ring_token_logps, validate_ring_args  # noqa: E402
 from common.rollout import (  # noqa: E402
-    RLArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
-    model_tokens, rollout_metrics, rollout_samples, split_steps, token_sample,
+    RLArgs, collect_rollout, evaluate, kl_to_reference, model_tokens, rollout_metrics, rollout_samples, split_steps,
 )
 from common.infra.tracking import MetricsLogger, eval_due, progress  # noqa: E402
 
@@ -269,7 +266,6 @@ def check_loss_flags(args):
         if args.vllm_is_truncation > 0:
             raise ValueError("--vllm_is_truncation with --async_train --max_staleness > 0: the old policy is already "
                              "vLLM's (the ratio p_trainer / p_vllm is the clipped PPO ratio)")
-# ---- end of boilerplate: actor loss terms ----
 
 
 def aggregate(per_token, mask, sample_index, num_samples, mode):
@@ -293,7 +289,68 @@ def step_normaliser(mode, tokens, sequences, train_batch_size, generate_max_len)
     return float(max(tokens if mode == "token" else sequences, 1))
 
 
+def normalisers(args, counts):
+    """The step's loss divisor (step_normaliser) and its metrics' (means over the samples that ran: token means, or
+    sample means in sequence mode), from the step's counts over every rank (common.infra.trainer_actor)."""
+    mode = loss_mode(args)
+    return (step_normaliser(mode, counts["tokens"], counts["sequences"],
+                            args.train.train_batch_size * args.ring.ring_attn_size, args.generate_max_len),
+            step_normaliser("sequence" if mode == "sequence" else "token", counts["run_tokens"],
+                            counts["run_sequences"], 0, 0))
+
+
+def single_update(args):
+    """Each rollout feeds exactly one optimizer step, and no KL to the reference goes into the
+    reward: the log-probs before the update are the update's own (ratio 1), so the separate
+    forward that computes them is skipped, as TRL and OpenRLHF skip it. Never off-policy: there
+    the ratio to the behaviour policy is not 1."""
+    if off_policy(args):
+        return False
+    samples = args.rollout_batch_size * args.n_samples_per_prompt
+    one_step = args.train.max_epochs == 1 and samples == args.train.train_batch_size
+    return one_step and not (args.init_kl_coef > 0 and not args.use_kl_loss)
+
+
+def batch_values(args):
+    """The per-token values micro_batch_loss reads from a training batch."""
+    return (("advantages", "vllm_logps") + (() if single_update(args) else ("old_logps",))
+            + (("ref_logps",) if args.use_kl_loss else ()))
+
+
+def micro_batch_loss(model, batch, args, ring=None):
+    """The policy loss of one collated micro-batch, summed as the step's normaliser expects (see aggregate); returns
+    (loss, metric sums). Without "old_logps" in the batch (single_update) the current log-probs stand in for them,
+    detached."""
+    logps, outputs = ring_token_logps(model, batch, ring, return_entropy=True)
+    mask = batch["loss_mask"]
+    old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
+    eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
+    per_token, clipped = policy_loss(logps, old_logps, batch["advantages"], eps_low, eps_high, args.dual_clip)
+    if args.vllm_is_truncation > 0:  # vLLM sampled from slightly different numbers than the trainer computes
+        per_token = per_token * torch.exp(old_logps - batch["vllm_logps"]).clamp(max=args.vllm_is_truncation)
+
+    def agg(per_token_values):  # summed as the step's normaliser expects (loss_mode)
+        return aggregate(per_token_values, mask, batch["sample_index"], batch["num_samples"], loss_mode(args))
+
+    pieces = {"policy_loss": agg(per_token)}
+    total = pieces["policy_loss"]
+    if args.use_kl_loss:
+        pieces["kl_loss"] = agg(approx_kl(logps, batch["ref_logps"], args.kl_estimator))
+        total = total + args.init_kl_coef * pieces["kl_loss"]
+    pieces["entropy"] = agg(outputs.entropy if args.entropy_loss_coef > 0 else outputs.entropy.detach())
+    if args.entropy_loss_coef > 0:
+        total = total - args.entropy_loss_coef * pieces["entropy"]
+    pieces["clip_ratio"] = agg(clipped)
+    metrics = {k: v.item() for k, v in pieces.items()}
+    # vLLM's log-probs of its samples vs the trainer's before this update (the weight-sync check)
+    metrics["vllm_logp_max_abs_diff"] = ((old_logps - batch["vllm_logps"]).abs() * mask).max().item()
+    return total, metrics
+# ---- end of boilerplate: actor loss terms ----
+
+
 def loss_mode(args):
+    """How a step's loss terms are summed and divided (aggregate, step_normaliser): Dr. GRPO's constant normaliser,
+    else --loss_agg."""
     return "constant" if args.advantage_estimator == "dr_grpo" else args.loss_agg
 
 
@@ -313,171 +370,13 @@ def micro_batches(samples, micro, args):
     return [run[a : a + n] for a, n in zip(starts, sizes)], len(samples) - len(run)
 
 
-def single_update(args):
-    """Each rollout feeds exactly one optimizer step, and no KL to the reference goes into the
-    reward: the log-probs before the update are the update's own (ratio 1), so the separate
-    forward that computes them is skipped, as TRL and OpenRLHF skip it. Never off-policy: there
-    the ratio to the behaviour policy is not 1."""
-    if off_policy(args):
-        return False
-    samples = args.rollout_batch_size * args.n_samples_per_prompt
-    one_step = args.train.max_epochs == 1 and samples == args.train.train_batch_size
-    return one_step and not (args.init_kl_coef > 0 and not args.use_kl_loss)
-
-
-def micro_batch_loss(model, batch, args, ring=None):
-    """The policy loss of one collated micro-batch, summed as the step's normaliser expects (see aggregate); returns
-    (loss, metric sums). Without "old_logps" in the batch (single_update) the current log-probs stand in for them,
-    detached."""
-    logps, outputs = ring_token_logps(model, batch, ring, return_entropy=True)
-    mask = batch["loss_mask"]
-    old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
-    eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
-    per_token, clipped = policy_loss(logps, old_logps, batch["advantages"], eps_low, eps_high, args.dual_clip)
-    if args.vllm_is_truncation > 0:  # vLLM sampled from slightly different numbers than the trainer computes
-        per_token = per_token * torch.exp(old_logps - batch["vllm_logps"]).clamp(max=args.vllm_is_truncation)
-    mode = loss_mode(args)
-    pieces = {"policy_loss": aggregate(per_token, mask, batch["sample_index"], batch["num_samples"], mode)}
-    total = pieces["policy_loss"]
-    if args.use_kl_loss:
-        kl = approx_kl(logps, batch["ref_logps"], args.kl_estimator)
-        pieces["kl_loss"] = aggregate(kl, mask, batch["sample_index"], batch["num_samples"], mode)
-        total = total + args.init_kl_coef * pieces["kl_loss"]
-    entropy = outputs.entropy if args.entropy_loss_coef > 0 else outputs.entropy.detach()
-    pieces["entropy"] = aggregate(entropy, mask, batch["sample_index"], batch["num_samples"], mode)
-    if args.entropy_loss_coef > 0:
-        total = total - args.entropy_loss_coef * pieces["entropy"]
-    pieces["clip_ratio"] = aggregate(clipped, mask, batch["sample_index"], batch["num_samples"], mode)
-    metrics = {k: v.item() for k, v in pieces.items()}
-    # vLLM's log-probs of its samples vs the trainer's before this update (the weight-sync check)
-    metrics["vllm_logp_max_abs_diff"] = ((old_logps - batch["vllm_logps"]).abs() * mask).max().item()
-    return total, metrics
-
-
-# ----------------------------------------------------------------------------------------------
-# The trainer: one Ray actor per rank; together one torch.distributed group running DeepSpeed
-# ----------------------------------------------------------------------------------------------
-class PolicyTrainer:
-    def __init__(self, args: Args, rank, world, pad_id):
-        self.args, self.rank, self.world, self.pad_id = args, rank, world, pad_id
-
-    def address(self):
-        return rendezvous_address()
-
-    def setup(self, master_addr, master_port, num_training_steps):
-        """Join the trainer group (bounded by --rendezvous_timeout) and load the models."""
-        args = self.args
-        join_group(self.rank, self.world, master_addr, master_port, args.cluster.rendezvous_timeout, args.train.seed,
-                   args.actor_num_gpus_per_node)  # the phases run one at a time: each takes the node's cores
-        world = setup(args.ring, args.train.seed)  # the group joined above; its rings
-        self.ring = world.ring  # None without --ring_attn_size
-        self.engine = train_engine(args.model, args.train, num_training_steps, world)
-        self.layout = self.engine.layout
-        # coefficient 0: no reference model at all
-        self.ref = frozen_engine(reference_args(args), args.train, world) if args.init_kl_coef > 0 else None
-        return True
-
-    def setup_weight_sync(self, engines):
-        self.weight_sync = weight_sync(self.args, self.rank, engines)
-        return True
-
-    def sync_weights(self):
-        return self.weight_sync.sync(self.engine)
-
-    @torch.no_grad()
-    def logprobs(self, samples, policy=True):
-        """Per-response-token log-probs under the reference, and under the policy before the update
-        unless single_update makes them the update's own."""
-        self.engine.eval()
-        out = {"old_logps": [], "ref_logps": []}
-        micro, max_tokens = self.args.micro_rollout_batch_size, self.max_tokens(samples)
-        for start in range(0, len(samples), micro):
-            chunk = samples[start : start + micro]
-            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.layout.one_row,
-                                         share_prompt=self.layout.share_prefixes),
-                              device())
-            for key, model in (("old_logps", self.engine if policy else None), ("ref_logps", self.ref)):
-                if model is None:
-                    continue
-                logps, _ = ring_token_logps(model, batch, self.ring)
-                out[key] += [t[p:].cpu().tolist() for p, t in zip(batch["response_offsets"], unpack(logps, batch))]
-        self.engine.train()
-        return out
-
-    def max_tokens(self, samples):
-        """Packed row length: the longest sample the run can produce (and at least this batch's longest)."""
-        longest = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
-        return max(longest, self.args.prompt_max_len + self.args.generate_max_len)
-
-    def train(self, steps):
-        """steps: this rank's samples of each optimizer step (with advantages, old/ref/vLLM
-        log-probs). Returns the step-averaged metrics (rank 0)."""
-        args, engine, ring_size = self.args, self.engine, self.args.ring.ring_attn_size
-        micro = args.train.micro_train_batch_size
-        values = (["advantages", "vllm_logps"] + ([] if single_update(args) else ["old_logps"])
-                  + (["ref_logps"] if args.use_kl_loss else []))
-        totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
-        for samples in steps:
-            max_tokens = self.max_tokens(samples)
-            chunks, skipped = micro_batches(samples, micro, args)
-            batches = [to_device(make_batch(chunk, self.pad_id, max_tokens, self.layout.one_row, values,
-                                            self.layout.share_prefixes),
-                                 device()) for chunk in chunks]
-            # counted on every rank: the ranks of a ring count their samples ring-size times, as DeepSpeed counts
-            # them (common.infra.engine.deepspeed_config), and the loss is the ring's ring-size times. The
-            # normaliser counts the skipped samples too; the metrics are means over what ran (token means in every
-            # mode)
-            tokens, sequences, run_tokens, run_sequences, skipped = all_reduce_sum([
-                sum(sum(token_sample(s)["loss_mask"]) for s in samples), sum(not s.get("masked") for s in samples),
-                sum(b["loss_mask"].sum().item() for b in batches),
-                sum(not s.get("masked") for chunk in chunks for s in chunk), skipped / ring_size])
-            mode = loss_mode(args)
-            normaliser = step_normaliser(mode, tokens, sequences, args.train.train_batch_size * ring_size,
-                                         args.generate_max_len)
-            metric_normaliser = step_normaliser("sequence" if mode == "sequence" else "token", run_tokens,
-                                                run_sequences, 0, 0)
-            lrs.append(engine.get_lr()[0])
-            step_metrics = {}
-            for batch in batches:
-                loss, metrics = micro_batch_loss(engine, batch, args, self.ring)
-                grad_norm = backward_step(engine, loss, normaliser)
-                vllm_diff = max(vllm_diff, metrics.pop("vllm_logp_max_abs_diff"))
-                for k, v in metrics.items():
-                    step_metrics[k] = step_metrics.get(k, 0.0) + v
-            reduced = all_reduce_sum(list(step_metrics.values()))
-            for k, v in zip(step_metrics, reduced):
-                totals[k] = totals.get(k, 0.0) + v / metric_normaliser / len(steps)
-            totals["skipped_samples"] = totals.get("skipped_samples", 0.0) + skipped / len(steps)
-            grad_norms.append(grad_norm)
-        totals["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        totals["lr"] = sum(lrs) / len(lrs)
-        diff = torch.tensor(vllm_diff, device=device())
-        torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
-        totals["vllm_logp_max_abs_diff"] = diff.item()
-        return totals
-
-    def checkpoint(self, step, client_state):
-        save_checkpoint(self.engine, self.args.ckpt.ckpt_path, step, client_state, self.args.ckpt.max_ckpt_num)
-        return True
-
-    def restore(self):
-        return load_checkpoint(self.engine, self.args.ckpt.ckpt_path)
-
-    def save_model(self, path):
-        tokenizer = load_tokenizer(self.args.model.pretrain, self.args)
-        save_hf_model(self.engine, tokenizer, path, merge_lora=self.args.ckpt.merge_lora,
-                      base_path=self.args.model.pretrain)
-        return True
-
-
 # ----------------------------------------------------------------------------------------------
 # Driver side: placement
 # ----------------------------------------------------------------------------------------------
 def place_models(args, world, pad_id, roles):
-    """Ray actors: trainers, vLLM engines, reward models; colocated in the trainers' bundles, or apart.
-    Each is added to `roles` under the name errors give it."""
+    """Ray actors: trainers (common.infra.trainer_actor, with this file's loss), vLLM engines, reward models;
+    colocated in the trainers' bundles, or apart. Each is added to `roles` under the name errors give it."""
     import ray
-
 
     gpu = ray.cluster_resources().get("GPU", 0) > 0
     at = trainer_bundles(roles, args.actor_num_nodes, args.actor_num_gpus_per_node, gpu, args.cluster.startup_timeout,
@@ -485,10 +384,12 @@ def place_models(args, world, pad_id, roles):
     colocated = args.cluster.colocate_all_models
     # colocated: up to five roles share one device, and roles split their bundle's CPU
     cpus, gpus = (0.5, 0.2 if gpu else 0) if colocated else (1, 1 if gpu else 0)
-    trainers = [roles.add(f"trainer rank {r}", actor_class(PolicyTrainer).options(
-                    num_cpus=cpus, num_gpus=gpus,
-                    scheduling_strategy=at(r)).remote(args, r, world, pad_id))
-                for r in range(world)]
+    spec = TrainerSpec(args.model, "old_logps", train=args.train, loss=micro_batch_loss, normalisers=normalisers,
+                       micro_batches=micro_batches, values=batch_values(args), ckpt_dir=args.ckpt.ckpt_path,
+                       share_prompts=True,
+                       reference=reference_args(args) if args.init_kl_coef > 0 else None)  # 0: no reference at all
+    # the phases run one at a time: each rank takes the node's cores
+    trainers = start_ranks(roles, "trainer", args, spec, world, pad_id, args.actor_num_gpus_per_node, cpus, gpus, at)
     engines = start_engines(args, roles, cpus, gpus, at if colocated else None)
     return trainers, engines, start_reward_models(args, roles, cpus, gpus, at(0) if colocated else None)
 
@@ -561,16 +462,8 @@ def main(args: Args):
         # 3. log-probs before the update: policy (old, unless single_update or off-policy) and reference;
         # each ring its contiguous shard (trainer rank r is in ring r // ring size; its first rank answers)
         t0 = time.time()
-        shard, policy_pass = per_step // (world // ring_size), not single_update(args) and not stale
-        if policy_pass or args.init_kl_coef > 0:
-            outs = roles.get([t.logprobs.remote(samples[r // ring_size * shard : (r // ring_size + 1) * shard],
-                                                policy_pass) for r, t in enumerate(trainers)])[::ring_size]
-            for r, out in enumerate(outs):
-                for k, s in enumerate(samples[r * shard : (r + 1) * shard]):
-                    if policy_pass:
-                        s["old_logps"] = out["old_logps"][k]
-                    if out["ref_logps"]:
-                        s["ref_logps"] = out["ref_logps"][k]
+        keys = ["old_logps"] * (not single_update(args) and not stale) + ["ref_logps"] * (args.init_kl_coef > 0)
+        per_token(roles, samples, [(trainers, keys)], ring_size)
         if stale:  # the behaviour policy: the weights that sampled them, up to K updates before the trainer's
             for s in samples:
                 s["old_logps"] = s["vllm_logps"]
@@ -587,7 +480,8 @@ def main(args: Args):
             roles.get([e.sleep.remote() for e in engines])
         t0 = time.time()
         ring_steps = split_steps(samples, args, step, world // ring_size)
-        train_metrics = roles.get([t.train.remote(ring_steps[r // ring_size]) for r, t in enumerate(trainers)])[0]
+        train_metrics = roles.get(each_ring(trainers, "train", ring_size, ring_steps))[0]
+        train_metrics.pop("time_s")  # the driver times the phase
         phase("train", t0)
         phases.update(1)
 

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from common.packing import token_logps
-from common.rollout import ActorTrainArgs
+from common.packing import token_logps, unpack
+from common.rollout import ActorTrainArgs, make_batch
 from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script
 
 grpo = load_algo("grpo")
@@ -243,7 +243,7 @@ def test_step_loss_is_invariant_to_micro_batches_and_ranks(assets, estimator, lo
         model.zero_grad()
         total = 0.0
         for part in splits:
-            loss, _ = grpo.micro_batch_loss(model, grpo.make_batch(part, 0, 64, False, values), args)
+            loss, _ = grpo.micro_batch_loss(model, make_batch(part, 0, 64, False, values), args)
             loss = loss / normaliser
             loss.backward()
             total += loss.item()
@@ -277,14 +277,14 @@ def test_skipped_old_logprob_pass_equals_the_plain_path(assets):
                 "advantages": torch.randn(2 + i).tolist(), "vllm_logps": (-torch.rand(2 + i) * 3).tolist()}
                for i in range(6)]
     with torch.no_grad():
-        batch = grpo.make_batch(samples, 0, 64, False, ["advantages", "vllm_logps"])
+        batch = make_batch(samples, 0, 64, False, ["advantages", "vllm_logps"])
         logps, _ = token_logps(model, batch)
-    for s, t in zip(samples, grpo.unpack(logps, batch)):
+    for s, t in zip(samples, unpack(logps, batch)):
         s["old_logps"] = t[len(s["prompt_ids"]):].tolist()
     results = []
     for values in (["advantages", "vllm_logps", "old_logps"], ["advantages", "vllm_logps"]):
         model.zero_grad()
-        loss, metrics = grpo.micro_batch_loss(model, grpo.make_batch(samples, 0, 64, False, values), args)
+        loss, metrics = grpo.micro_batch_loss(model, make_batch(samples, 0, 64, False, values), args)
         loss = loss / 30.0  # a step normaliser
         loss.backward()
         results.append((loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()]), metrics))
@@ -321,13 +321,13 @@ def test_shared_prompt_batch_equals_whole_samples(assets):
     results = []
     for share in (False, True):
         model.zero_grad()
-        batch = grpo.make_batch(samples, 0, 256, True, values, share_prompt=share)
+        batch = make_batch(samples, 0, 256, True, values, share_prompt=share)
         loss, metrics = grpo.micro_batch_loss(model, batch, args)
         loss = loss / 30.0  # a step normaliser
         loss.backward()
         with torch.no_grad():
             logps, _ = token_logps(model, batch)
-        per_response = [t[p:] for p, t in zip(batch["response_offsets"], grpo.unpack(logps, batch))]
+        per_response = [t[p:] for p, t in zip(batch["response_offsets"], unpack(logps, batch))]
         results.append((batch["input_ids"].numel(), loss.item(), metrics, per_response,
                         torch.cat([p.grad.flatten() for p in model.parameters()])))
     (whole_tokens, whole_loss, whole_metrics, whole_logps, whole_grad), (tokens, loss, metrics, logps, grad) = results

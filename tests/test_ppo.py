@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from common.rollout import token_sample
+from common.packing import collate, unpack
+from common.rollout import make_batch, token_sample
 from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script
 
 ppo = load_algo("ppo")
@@ -127,11 +128,11 @@ def test_critic_values_packed_padded_and_as_sequence_classification(assets, tmp_
     exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "critic", dtype=torch.float32).eval()
     samples = [{"prompt_ids": [3, 20 + i, 21], "response_ids": [30 + (i * k) % 50 for k in range(2 + i)]}
                for i in range(5)]
-    packed = ppo.make_batch(samples, 0, 64, False)
-    padded = ppo.collate([token_sample(s) for s in samples], 0, packing=False)
+    packed = make_batch(samples, 0, 64, False)
+    padded = collate([token_sample(s) for s in samples], 0, packing=False)
     with torch.no_grad():
-        vp = ppo.unpack(ppo.token_values(exported, packed), packed)
-        vq = ppo.unpack(ppo.token_values(exported, padded), padded)
+        vp = unpack(ppo.token_values(exported, packed), packed)
+        vq = unpack(ppo.token_values(exported, padded), padded)
         tolerance = 2e-5 * max(v.abs().max().item() for v in vp)
         assert max((a - b).abs().max().item() for a, b in zip(vp, vq)) <= tolerance
         for s, v in zip(samples, vp):
@@ -381,13 +382,14 @@ def test_ptx_loss_mixed_into_the_actor_step(assets):
     samples = [{"prompt_ids": [3, 20 + i, 21], "response_ids": [30 + (i * k) % 50 for k in range(2 + i)],
                 "advantages": torch.randn(2 + i).tolist(), "old_logps": (-torch.rand(2 + i) * 3).tolist(),
                 "vllm_logps": [0.0] * (2 + i)} for i in range(4)]
-    batch = ppo.make_batch(samples, 0, 64, False, ["advantages", "old_logps", "vllm_logps"])
-    pb = dict(ppo.collate(steps[0][0], 0, max_tokens=64), num_micro=1)  # as PolicyTrainer.train_steps builds it
+    batch = make_batch(samples, 0, 64, False, ["advantages", "old_logps", "vllm_logps"])
+    pb = collate(steps[0][0], 0, max_tokens=64)  # as TrainerRank.train builds it
 
     def step(args, ptx):  # the step's loss as backward_step makes it: the sum / 20 + coef x the LM loss
         model.zero_grad()
-        loss_sum, lm, _ = ppo.micro_batch_loss(model, batch, args, **({"ptx_batch": ptx} if ptx else {}))
-        loss = loss_sum / 20.0 + (args.ptx_coef * lm if lm is not None else 0.0)
+        loss_sum, _ = ppo.micro_batch_loss(model, batch, args)
+        term, lm = ppo.ptx_term(model, ptx, args) if ptx else (0.0, None)
+        loss = loss_sum / 20.0 + term
         loss.backward()
         return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()]), lm
 
@@ -396,7 +398,7 @@ def test_ptx_loss_mixed_into_the_actor_step(assets):
     assert no_lm is None and zero_loss == plain_loss and torch.equal(zero_grad, plain_grad)
     with torch.no_grad():
         lm = ppo.ptx_loss(model, pb).item()
-    assert zero_lm.item() == pytest.approx(lm, rel=1e-6) and lm > 1.0
+    assert zero_lm["ptx_loss"] == pytest.approx(lm, rel=1e-6) and lm > 1.0
     mixed_loss, mixed_grad, _ = step(dataclasses.replace(base, ptx_coef=0.5), pb)
     assert mixed_loss == pytest.approx(plain_loss + 0.5 * lm, abs=1e-5)
     assert (mixed_grad - plain_grad).abs().max().item() > 1e-4
