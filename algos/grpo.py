@@ -425,6 +425,7 @@ def main(args: Args):
             roles.get([t.sync_weights.remote() for t in trainers])  # the engines still hold the start weights
         print(f"resumed from {args.ckpt.ckpt_path} at step {state['global_step']}" if loaded else
               f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
+    # ---- boilerplate: rollout set-up (the same text in grpo.py and ppo.py; tests/test_boilerplate.py) ----
     logger = MetricsLogger(args.log, asdict(args), True)
     if eval_prompts and state["global_step"] == 0:
         metrics = evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer, env_cls)
@@ -441,12 +442,14 @@ def main(args: Args):
         from common.async_rollouts import Rollouts
 
         rollouts = Rollouts(args, collect, state["global_step"], total_steps, state["consumed_prompts"])
+    # ---- end of boilerplate: rollout set-up ----
     bar = progress(range(state["global_step"], total_steps), desc="grpo", initial=state["global_step"],
                    total=total_steps)
     for step in bar:
         t_step, timing = time.time(), {}
         phases = progress(total=5, desc=f"step {step + 1}", leave=False, position=1)
 
+        # ---- boilerplate: step rollout (the same text in grpo.py and ppo.py; tests/test_boilerplate.py) ----
         def phase(name, t0):
             timing[f"time/{name}"] = timing.get(f"time/{name}", 0.0) + time.time() - t0
             phases.set_postfix_str(name)
@@ -458,6 +461,7 @@ def main(args: Args):
         state["consumed_prompts"] = rollout["end"]
         samples, raw_rewards = rollout_samples(rollout, args)
         phases.update(2)
+        # ---- end of boilerplate: step rollout ----
 
         # 3. log-probs before the update: policy (old, unless single_update or off-policy) and reference;
         # each ring its contiguous shard (trainer rank r is in ring r // ring size; its first rank answers)

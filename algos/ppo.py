@@ -588,6 +588,7 @@ def main(args: Args):
             roles.get([m.sleep.remote() for m in members])
 
     rest(trainers + critics)
+    # ---- boilerplate: rollout set-up (the same text in grpo.py and ppo.py; tests/test_boilerplate.py) ----
     logger = MetricsLogger(args.log, asdict(args), True)
     if eval_prompts and state["global_step"] == 0:
         metrics = evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer, env_cls)
@@ -604,6 +605,7 @@ def main(args: Args):
         from common.async_rollouts import Rollouts
 
         rollouts = Rollouts(args, collect, state["global_step"], total_steps, state["consumed_prompts"])
+    # ---- end of boilerplate: rollout set-up ----
     bar = progress(range(state["global_step"], total_steps), desc="ppo", initial=state["global_step"],
                    total=total_steps)
     for step in bar:
@@ -611,6 +613,7 @@ def main(args: Args):
         actor_frozen = step < args.freezing_actor_steps
         phases = progress(total=6, desc=f"step {step + 1}", leave=False, position=1)
 
+        # ---- boilerplate: step rollout (the same text in grpo.py and ppo.py; tests/test_boilerplate.py) ----
         def phase(name, t0):
             timing[f"time/{name}"] = timing.get(f"time/{name}", 0.0) + time.time() - t0
             phases.set_postfix_str(name)
@@ -622,6 +625,7 @@ def main(args: Args):
         state["consumed_prompts"] = rollout["end"]
         samples, raw_rewards = rollout_samples(rollout, args)
         phases.update(2)
+        # ---- end of boilerplate: step rollout ----
 
         # 3. before the update, side by side, each group its contiguous shard: actor log-probs (unless
         # single_update makes them the update's own, or off-policy vLLM's are the old policy), reference

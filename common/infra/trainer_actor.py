@@ -86,7 +86,7 @@ def per_token(roles, samples, jobs, ring_size):
 
 
 class TrainerRank:
-    """One rank of a trainer group (a Ray actor: common.infra.roles.actor_class)."""
+    """One rank of a trainer group, a Ray actor (start_ranks); its TrainerSpec says what it loads and how it trains."""
 
     def __init__(self, args, spec: TrainerSpec, rank, world, pad_id, ranks_per_node):
         self.args, self.spec, self.rank, self.world, self.pad_id = args, spec, rank, world, pad_id
