@@ -58,8 +58,8 @@ from common.ring_attention import (  # noqa: E402
     ring_forward, ring_model_args, ring_next_token_values, ring_token_logps, validate_ring_args,
 )
 from common.rollout import (  # noqa: E402
-    RLArgs, collect_rollout, evaluate, kl_to_reference, model_tokens, prompt_at, rollout_metrics, rollout_samples,
-    split_steps,
+    RLArgs, collect_rollout, evaluate, kl_to_reference, mismatch_metrics, model_tokens, prompt_at, rollout_metrics,
+    rollout_samples, split_steps,
 )
 from common.infra.tracking import MetricsLogger, eval_due, progress  # noqa: E402
 
@@ -100,7 +100,8 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
     lambd_critic: float = 1.0
     """GAE lambda of the critic's returns (decoupled GAE, VC-PPO / VAPO; 1: Monte-Carlo returns)."""
     loss_agg: Literal["token", "sequence"] = "token"
-    """token: mean over the step's response tokens; sequence: mean over samples of their token means (both models)."""
+    """token: mean over the step's response tokens; sequence: mean over samples of their token means (both models;
+    --policy_loss gspo: sequence)."""
     eps_clip: float = 0.2
     """PPO ratio clip."""
     eps_clip_low_high: Optional[tuple[float, float]] = None
@@ -117,9 +118,21 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
     """Put the KL in the actor's loss instead of the per-token reward."""
     entropy_loss_coef: float = 0.0
     """Entropy bonus coefficient (entropy is logged either way)."""
-    vllm_is_truncation: float = 0.0
-    """Truncated importance sampling: weight each token's loss by min(p_trainer / p_vllm, this), one-sided (OpenRLHF
-    clamps to [0.5, 5]) (0: off)."""
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """ppo: the clipped ratio per token; gspo: one clipped ratio per sample, the geometric mean of its tokens', each
+    sample's tokens averaged (the step is a mean over samples whatever --loss_agg says); cispo: the clipped ratio as a
+    constant weight on each token's REINFORCE term (no token loses its gradient). The clip bounds are --eps_clip /
+    --eps_clip_low_high."""
+    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_mask"] = "sequence_mask"
+    """Correct for vLLM sampling from slightly different log-probs than the trainer's (ratio = p_trainer / p_vllm):
+    token_truncate weighs each token by its ratio clamped to the bounds; token_mask drops tokens whose ratio leaves
+    them (IcePop); sequence_mask drops samples whose geometric-mean ratio leaves them. Off-policy runs (--async_train)
+    have vLLM's log-probs as the old policy: the clipped ratio is the correction there."""
+    rollout_correction_bounds: Optional[tuple[float, float]] = None
+    """[low, high] of the ratio --rollout_correction keeps; unset: [0.5, 2] for token_mask, [0, 3] otherwise."""
+    max_mismatch_kl: float = 0.1
+    """Stop the run when a step's rollout/mismatch_kl (vLLM's log-probs of its samples against the trainer's,
+    before the update) exceeds this: the weight sync into vLLM is broken."""
     # -- placement (each role on devices of its own unless colocated)
     actor_num_nodes: int = 1
     """Nodes for the actor group (and the reference group, which mirrors it); rank r on node r // per node."""
@@ -313,6 +326,62 @@ def policy_loss(logps, old_logps, advantages, eps_low, eps_high, dual_clip=None)
         loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
     return loss, (surr2 < surr1).float()
 
+
+def gspo_loss(logps, old_logps, advantages, mask, sample_index, num_samples, eps_low, eps_high):
+    """Per-token GSPO loss: one ratio per sample, s = exp(mean over its loss tokens of logps - old_logps), clipped to
+    [1 - eps_low, 1 + eps_high]; each of its tokens carries -min(s A, clip(s) A) with the value s and the gradient
+    s x d logp (so a sample's token mean has the gradient of s, the paper's objective). Returns (loss, clipped mask)."""
+    keep = sample_index >= 0
+    index = sample_index.clamp(min=0)
+    sums = torch.zeros(num_samples, dtype=logps.dtype).index_add(0, index[keep], ((logps - old_logps) * mask)[keep])
+    counts = torch.zeros(num_samples, dtype=logps.dtype).index_add(0, index[keep], mask[keep])
+    sequence_log_ratio = (sums / counts.clamp(min=1)).clamp(-20, 20).detach()[index]
+    ratio = torch.exp(sequence_log_ratio + logps - logps.detach())
+    surr1 = ratio * advantages
+    surr2 = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
+    return -torch.min(surr1, surr2), (surr2 < surr1).float()
+
+
+def cispo_loss(logps, old_logps, advantages, eps_low, eps_high):
+    """Per-token CISPO loss: -sg(clip(r, 1 - eps_low, 1 + eps_high)) x A x logp, r = exp(logps - old_logps): the
+    clipped ratio is a constant weight, so every token keeps the gradient of its log-prob. Returns (loss, clipped
+    mask)."""
+    ratio = torch.exp((logps - old_logps).clamp(-20, 20)).detach()
+    weight = ratio.clamp(1 - eps_low, 1 + eps_high)
+    return -weight * advantages * logps, (weight != ratio).float()
+
+
+def rollout_correction(log_ratio, mask, sample_index, num_samples, mode, bounds):
+    """Per-token loss weights for the gap between the trainer's log-probs and those vLLM sampled with (log_ratio =
+    trainer - vLLM per sampled token, ratio = exp(log_ratio); [low, high] = bounds): token_truncate weighs each token
+    by its ratio clamped to [low, high] (truncated importance sampling, one-sided with low 0); token_mask gives a
+    token whose ratio leaves [low, high] no loss (IcePop); sequence_mask gives every token of a sample whose
+    geometric-mean ratio leaves [low, high] no loss; none weighs 1. Returns (weights, corrected tokens, dropped
+    samples): 0/1 per token, and per token of each sample that sequence_mask dropped."""
+    ratio = torch.exp(log_ratio.clamp(-20, 20))
+    low, high = bounds
+    none = torch.zeros_like(ratio)
+    if mode == "token_truncate":
+        return ratio.clamp(low, high), ((ratio < low) | (ratio > high)).float() * mask, none
+    if mode == "token_mask":
+        out = ((ratio < low) | (ratio > high)).float() * mask
+        return 1 - out, out, none
+    if mode == "sequence_mask":
+        keep = sample_index >= 0
+        index = sample_index.clamp(min=0)
+        sums = torch.zeros(num_samples, dtype=ratio.dtype).index_add(0, index[keep], (log_ratio * mask)[keep])
+        counts = torch.zeros(num_samples, dtype=ratio.dtype).index_add(0, index[keep], mask[keep])
+        geometric = torch.exp((sums / counts.clamp(min=1)).clamp(-20, 20))
+        out = ((geometric < low) | (geometric > high)).float()[index] * mask
+        return 1 - out, out, out
+    return torch.ones_like(ratio), none, none
+
+
+def correction_bounds(args):
+    """--rollout_correction_bounds, or the mode's default: [0.5, 2] for token_mask (IcePop's), [0, 3] otherwise
+    (TRL's cap)."""
+    return args.rollout_correction_bounds or ((0.5, 2.0) if args.rollout_correction == "token_mask" else (0.0, 3.0))
+
 def check_loss_flags(args):
     """The checks of the flags these terms read (parse_args calls it; raises ValueError naming the flag)."""
     if args.use_kl_loss and args.init_kl_coef <= 0:
@@ -328,9 +397,14 @@ def check_loss_flags(args):
         if not (0 < eps_low < 1 and 0 < eps_high < 1):
             raise ValueError(f"--async_train with --max_staleness {args.async_rollout.max_staleness} needs a clipped "
                              f"ratio: --eps_clip / --eps_clip_low_high bounds in (0, 1), got {eps_low}, {eps_high}")
-        if args.vllm_is_truncation > 0:
-            raise ValueError("--vllm_is_truncation with --async_train --max_staleness > 0: the old policy is already "
-                             "vLLM's (the ratio p_trainer / p_vllm is the clipped PPO ratio)")
+    if args.policy_loss == "gspo" and args.advantage_estimator == "dr_grpo":
+        raise ValueError("--policy_loss gspo averages each sample's tokens, --advantage_estimator dr_grpo divides "
+                         "every token by one constant: use another estimator with gspo")
+    low, high = correction_bounds(args)
+    if not 0 <= low < 1 < high:
+        raise ValueError(f"--rollout_correction_bounds must hold 0 <= low < 1 < high, got {low}, {high}")
+    if args.max_mismatch_kl <= 0:
+        raise ValueError(f"--max_mismatch_kl must be > 0, got {args.max_mismatch_kl}")
 
 
 def aggregate(per_token, mask, sample_index, num_samples, mode):
@@ -390,9 +464,19 @@ def micro_batch_loss(model, batch, args, ring=None):
     mask = batch["loss_mask"]
     old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
-    per_token, clipped = policy_loss(logps, old_logps, batch["advantages"], eps_low, eps_high, args.dual_clip)
-    if args.vllm_is_truncation > 0:  # vLLM sampled from slightly different numbers than the trainer computes
-        per_token = per_token * torch.exp(old_logps - batch["vllm_logps"]).clamp(max=args.vllm_is_truncation)
+    if args.policy_loss == "gspo":
+        per_token, clipped = gspo_loss(logps, old_logps, batch["advantages"], mask, batch["sample_index"],
+                                       batch["num_samples"], eps_low, eps_high)
+    elif args.policy_loss == "cispo":
+        per_token, clipped = cispo_loss(logps, old_logps, batch["advantages"], eps_low, eps_high)
+    else:
+        per_token, clipped = policy_loss(logps, old_logps, batch["advantages"], eps_low, eps_high, args.dual_clip)
+    # vLLM sampled from slightly different numbers than the trainer computes (off-policy runs: its log-probs are
+    # the old policy, the log-ratio is 0 and every weight 1)
+    log_ratio = old_logps - batch["vllm_logps"]
+    weights, corrected, dropped = rollout_correction(log_ratio, mask, batch["sample_index"], batch["num_samples"],
+                                                     args.rollout_correction, correction_bounds(args))
+    per_token = per_token * weights
 
     def agg(per_token_values):  # summed as the step's normaliser expects (loss_mode)
         return aggregate(per_token_values, mask, batch["sample_index"], batch["num_samples"], loss_mode(args))
@@ -406,16 +490,22 @@ def micro_batch_loss(model, batch, args, ring=None):
     if args.entropy_loss_coef > 0:
         total = total - args.entropy_loss_coef * pieces["entropy"]
     pieces["clip_ratio"] = agg(clipped)
+    # vLLM's log-probs of its samples vs the trainer's before this update: k3 of KL(vLLM || trainer) per token,
+    # |difference| mean and max, and the share of tokens and of samples the correction changed
+    pieces["mismatch_kl"] = agg(torch.exp(log_ratio.clamp(-20, 20)) - 1 - log_ratio)
+    pieces["logp_abs_diff_mean"] = agg(log_ratio.abs())
+    pieces["corrected_token_share"] = agg(corrected)
     metrics = {k: v.item() for k, v in pieces.items()}
-    # vLLM's log-probs of its samples vs the trainer's before this update (the weight-sync check)
-    metrics["vllm_logp_max_abs_diff"] = ((old_logps - batch["vllm_logps"]).abs() * mask).max().item()
+    metrics["corrected_sequences"] = aggregate(dropped, mask, batch["sample_index"], batch["num_samples"],
+                                               "sequence").item()
+    metrics["logp_abs_diff_max"] = (log_ratio.abs() * mask).max().item()
     return total, metrics
 # ---- end of boilerplate: actor loss terms ----
 
 
 def loss_mode(args):
-    """How a step's loss terms are summed and divided (aggregate, step_normaliser): --loss_agg."""
-    return args.loss_agg
+    """How a step's loss terms are summed and divided (aggregate, step_normaliser): --loss_agg (gspo: sequence)."""
+    return "sequence" if args.policy_loss == "gspo" else args.loss_agg
 
 
 def ptx_loss(model, batch, ring=None):
@@ -456,8 +546,8 @@ def critic_micro_batch_loss(model, batch, args, ring=None):
     values = token_values(model, batch, args.value_head_prefix, ring)
     mask = batch["loss_mask"]
     per_token, clipped = value_loss(values, batch["values"], batch["returns"], args.value_clip)
-    loss = aggregate(per_token, mask, batch["sample_index"], batch["num_samples"], args.loss_agg)
-    clip_ratio = aggregate(clipped, mask, batch["sample_index"], batch["num_samples"], args.loss_agg)
+    loss = aggregate(per_token, mask, batch["sample_index"], batch["num_samples"], loss_mode(args))
+    clip_ratio = aggregate(clipped, mask, batch["sample_index"], batch["num_samples"], loss_mode(args))
     return loss, {"value_loss": loss.item(), "value_clip_ratio": clip_ratio.item()}
 
 
@@ -697,7 +787,6 @@ def main(args: Args):
         # 7. log, evaluate, save
         state["global_step"] = global_step = step + 1
         timing["time/critic_train"] = critic_metrics.pop("time_s")
-        critic_metrics.pop("vllm_logp_max_abs_diff")
         metrics = {**rollout_metrics(rollout, samples, raw_rewards, step),
                    "train/actor_frozen": float(actor_frozen),
                    "train/advantage_abs": mean(torch.cat(advantages)[flat_mask].abs()),
@@ -707,12 +796,10 @@ def main(args: Args):
                    **{f"critic/{k}": v for k, v in critic_metrics.items()}}
         if actor_metrics:
             timing["time/actor_train"] = actor_metrics.pop("time_s")
-            vllm_diff = actor_metrics.pop("vllm_logp_max_abs_diff")
-            if not stale:  # the actor's log-probs before the update vs vLLM's on the same weights
-                metrics["check/vllm_logp_max_abs_diff"] = vllm_diff
+            metrics.update(mismatch_metrics(actor_metrics, stale, global_step, args.max_mismatch_kl))
             metrics.update({f"train/{k}": v for k, v in actor_metrics.items()})
         elif policy_pass:  # a frozen actor still had its log-probs computed: the engines must match them
-            metrics["check/vllm_logp_max_abs_diff"] = max(
+            metrics["rollout/logp_abs_diff_max"] = max(
                 (torch.tensor(s["old_logps"]) - torch.tensor(s["vllm_logps"])).abs().max().item() for s in samples)
         metrics.update(timing)
         metrics.update(kl_to_reference(samples))

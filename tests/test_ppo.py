@@ -246,7 +246,7 @@ def test_ppo_learns_reversal_and_the_critic_explains_the_returns(run):
     # the critic learns to predict the returns (explained variance starts below 0: a fresh head)
     ev = [steps[s]["critic/explained_variance"] for s in sorted(steps)]
     assert sum(ev[-5:]) / 5 > 0.05 and sum(ev[-5:]) / 5 > ev[0], ev
-    diffs = [m["check/vllm_logp_max_abs_diff"] for m in steps.values()]
+    diffs = [m["rollout/logp_abs_diff_max"] for m in steps.values()]
     assert len(diffs) == 20 and max(diffs) <= 1e-4, diffs  # every step: the engines hold the actor's weights
     phases = ("generate", "reward", "logprobs_values", "critic_train", "train", "sync")
     assert all(steps[s][f"time/{p}"] > 0 for s in steps for p in phases)
@@ -266,9 +266,9 @@ def test_freezing_actor_steps_train_only_the_critic(run):
     for s in (1, 2):
         assert steps[s]["train/actor_frozen"] == 1.0 and "train/policy_loss" not in steps[s]
         assert steps[s]["critic/grad_norm"] > 0 and steps[s]["perf/sync_mb"] == 0
-    assert steps[1]["check/vllm_logp_max_abs_diff"] <= 1e-4 and steps[2]["check/vllm_logp_max_abs_diff"] <= 1e-4
+    assert steps[1]["rollout/logp_abs_diff_max"] <= 1e-4 and steps[2]["rollout/logp_abs_diff_max"] <= 1e-4
     assert steps[3]["train/actor_frozen"] == 0.0 and "train/policy_loss" in steps[3]
-    assert steps[3]["check/vllm_logp_max_abs_diff"] <= 1e-4 and steps[3]["perf/sync_mb"] > 0
+    assert steps[3]["rollout/logp_abs_diff_max"] <= 1e-4 and steps[3]["perf/sync_mb"] > 0
     # the critic moved: the values of step 1's samples and of step 2's differ by more than noise
     assert abs(steps[2]["critic/values"] - steps[1]["critic/values"]) > 1e-3
 
@@ -289,7 +289,7 @@ def test_resume_reproduces_actor_and_critic(run, assets, rl_start_model):
         assert resumed[s]["train/reward"] == steps[s]["train/reward"]
         for key in ("train/policy_loss", "critic/value_loss", "critic/explained_variance"):
             assert abs(resumed[s][key] - steps[s][key]) <= 1e-5, (s, key)
-    assert max(m["check/vllm_logp_max_abs_diff"] for m in resumed.values()) <= 1e-4  # engines got the resumed actor
+    assert max(m["rollout/logp_abs_diff_max"] for m in resumed.values()) <= 1e-4  # engines got the resumed actor
     assert max_weight_diff(tmp / "out", tmp / "resumed" / "out") <= 1e-5
     assert max_weight_diff(tmp / "out" / "critic", tmp / "resumed" / "out" / "critic") <= 1e-5
 
@@ -315,7 +315,7 @@ def test_colocated_lora_actor_with_reference_reward_model_and_ptx(assets, rl_sta
     proc = run_script("ppo.py", args, timeout=900)
     assert "a reward model: its score head is the value head" in proc.stdout
     steps = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if "train/reward" in m]
-    assert len(steps) == 4 and max(m["check/vllm_logp_max_abs_diff"] for m in steps) <= 1e-4
+    assert len(steps) == 4 and max(m["rollout/logp_abs_diff_max"] for m in steps) <= 1e-4
     assert abs(steps[0]["train/kl"]) < 1e-5 < abs(steps[-1]["train/kl"])  # the reference is the start policy
     assert steps[-1]["train/ptx_loss"] < steps[0]["train/ptx_loss"], [m["train/ptx_loss"] for m in steps]
     assert os.path.exists(tmp_path / "out" / "critic" / "config.json")

@@ -40,7 +40,9 @@ class TrainerSpec:
     train: Optional[TrainArgs] = None  # None: frozen (DeepSpeed inference)
     forward: Callable = token_logps  # (model, batch, args, ring) -> per-token tensor, aligned like loss_mask
     reference: Optional[ModelArgs] = None  # a frozen model in the same ranks whose forward fills "ref_logps"
-    loss: Optional[Callable] = None  # (model, batch, args, ring) -> (loss sum, {metric: sum})
+    # (model, batch, args, ring) -> (loss sum, {metric: sum}); the step reports a metric named *_max as its maximum,
+    # *_sequences divided by the samples that ran, any other divided by the metrics' normaliser
+    loss: Optional[Callable] = None
     normalisers: Optional[Callable] = None  # (args, counts) -> (the step's loss divisor, its metrics')
     micro_batches: Optional[Callable] = None  # (samples, micro, args) -> (micro-batches, skipped); None: in order
     values: tuple = ()  # the per-response-token values a training micro-batch carries
@@ -178,7 +180,7 @@ class TrainerRank:
         args, spec, engine, t0 = self.args, self.spec, self.engine, time.time()
         micro, ring_size = args.train.micro_train_batch_size, args.ring.ring_attn_size
         micro_count = accumulation_steps(args.train.train_batch_size, micro, self.world // ring_size) * self.world
-        totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
+        totals, grad_norms, lrs, maxima = {}, [], [], {}
         for k, samples in enumerate(steps):
             max_tokens = self._max_tokens(samples)
             chunks, skipped = (spec.micro_batches(samples, micro, args) if spec.micro_batches
@@ -205,12 +207,14 @@ class TrainerRank:
                     for name, v in extra_metrics.items():
                         means[name] = means.get(name, 0.0) + v / micro_count
                 grad_norm = backward_step(engine, loss_sum, normaliser, averaged)
-                vllm_diff = max(vllm_diff, metrics.pop("vllm_logp_max_abs_diff", 0.0))
+                for name in [name for name in metrics if name.endswith("_max")]:
+                    maxima[name] = max(maxima.get(name, 0.0), metrics.pop(name))
                 for name, v in metrics.items():
                     sums[name] = sums.get(name, 0.0) + v
             reduced = all_reduce_sum(list(sums.values()) + list(means.values()))
             for name, v in zip(sums, reduced):
-                totals[name] = totals.get(name, 0.0) + v / metric_normaliser / len(steps)
+                divisor = max(counts["run_sequences"], 1) if name.endswith("_sequences") else metric_normaliser
+                totals[name] = totals.get(name, 0.0) + v / divisor / len(steps)
             for name, v in zip(means, reduced[len(sums):]):
                 totals[name] = totals.get(name, 0.0) + v / len(steps)
             if spec.micro_batches:
@@ -218,9 +222,11 @@ class TrainerRank:
             grad_norms.append(grad_norm)
         totals["grad_norm"] = sum(grad_norms) / len(grad_norms)
         totals["lr"] = sum(lrs) / len(lrs)
-        diff = torch.tensor(vllm_diff, device=device())
-        torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
-        totals["vllm_logp_max_abs_diff"], totals["time_s"] = diff.item(), time.time() - t0
+        if maxima:  # every rank runs the same loss, so the same names
+            reduced = torch.tensor(list(maxima.values()), device=device())
+            torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX)
+            totals.update(zip(maxima, reduced.tolist()))
+        totals["time_s"] = time.time() - t0
         return totals
 
     def checkpoint(self, step, client_state):
