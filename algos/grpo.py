@@ -32,9 +32,9 @@ into full-size advantages); rejected episodes set no group baseline, and masked 
 responses under --mask_truncated_responses, whose rewards stay in the group as in DAPO) no whitening statistic;
 --use_kl_loss refuses k1 (as a loss its expected gradient is 0); samples whose advantages are all 0 skip the
 forward and backward (the update is the same); rewards are clipped before the group baseline;
---vllm_is_truncation is one-sided; log-probs are of the untempered policy (the temperature only shapes
-sampling), and vLLM's log-probs of the sampled tokens are checked against the trainer's every step
-(`check/vllm_logp_max_abs_diff`).
+the trainer-vLLM log-prob gap is corrected by default (--rollout_correction sequence_mask), logged every step
+(`rollout/mismatch_kl`, `rollout/logp_abs_diff_mean` and `_max`) and a gap past --max_mismatch_kl stops the run;
+log-probs are of the untempered policy (the temperature only shapes sampling).
 """
 
 import contextlib
@@ -53,20 +53,18 @@ if importlib.util.find_spec("common") is None:
     sys.exit(f"error: {__file__} cannot import common/: run it with PYTHONPATH=<the minrlhf checkout>")
 from common.infra.datasets import load_tokenizer  # noqa: E402
 from common.infra.cluster import (  # noqa: E402
-    environment, join_group, load_prompts, off_policy, reference_args, rendezvous_address, reward_function,
-    resolve_rollout_args, rollout_steps, start_engines, start_group, start_ray, start_reward_models, trainer_bundles,
-    validate_rollout_args, weight_sync,
+    environment, load_prompts, off_policy, reference_args, reward_function, resolve_rollout_args, rollout_steps,
+    start_engines, start_ray, start_reward_models, trainer_bundles, validate_rollout_args,
 )
-from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
+from common.infra.roles import RoleFailed, Roles  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, all_reduce_sum, backward_step, device, frozen_engine, load_checkpoint, parse_cli,
-    run, save_checkpoint, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args,
+    CkptArgs, parse_cli, run, script_ckpt_args, validate_common_args,
 )
-from common.packing import to_device, unpack  # noqa: E402
+from common.infra.trainer_actor import TrainerSpec, each_ring, per_token, start_group, start_ranks  # noqa: E402
 from common.ring_attention import ring_model_args, ring_token_logps, validate_ring_args  # noqa: E402
 from common.rollout import (  # noqa: E402
-    RLArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
-    model_tokens, rollout_metrics, rollout_samples, split_steps, token_sample,
+    RLArgs, collect_rollout, evaluate, kl_to_reference, mismatch_metrics, model_tokens, rollout_metrics,
+    rollout_samples, split_steps,
 )
 from common.infra.tracking import MetricsLogger, eval_due, progress  # noqa: E402
 
@@ -86,7 +84,8 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
     """Discount of the return-to-go (reinforce only; the group estimators use 1)."""
     loss_agg: Literal["token", "sequence"] = "token"
     """token: mean over every response token of the optimizer step; sequence: mean over samples of each
-    sample's token mean (dr_grpo always sums and divides by train_batch_size x generate_max_len)."""
+    sample's token mean (dr_grpo always sums and divides by train_batch_size x generate_max_len; --policy_loss gspo
+    is always sequence)."""
     eps_clip: float = 0.2
     """PPO ratio clip."""
     eps_clip_low_high: Optional[tuple[float, float]] = None
@@ -107,9 +106,21 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
     """Leave samples whose advantages are all 0 (or that are masked) out of the forward and backward when no KL
     loss or entropy bonus reads them: their gradient is exactly 0, the loss normaliser still counts them, so the
     update is the same (train/skipped_samples)."""
-    vllm_is_truncation: float = 0.0
-    """Truncated importance sampling: weight each token's loss by min(p_trainer / p_vllm, this), one-sided (OpenRLHF
-    clamps to [0.5, 5]) (0: off)."""
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """ppo: the clipped ratio per token; gspo: one clipped ratio per sample, the geometric mean of its tokens', each
+    sample's tokens averaged (the step is a mean over samples whatever --loss_agg says); cispo: the clipped ratio as a
+    constant weight on each token's REINFORCE term (no token loses its gradient). The clip bounds are --eps_clip /
+    --eps_clip_low_high."""
+    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_mask"] = "sequence_mask"
+    """Correct for vLLM sampling from slightly different log-probs than the trainer's (ratio = p_trainer / p_vllm):
+    token_truncate weighs each token by its ratio clamped to the bounds; token_mask drops tokens whose ratio leaves
+    them (IcePop); sequence_mask drops samples whose geometric-mean ratio leaves them. Off-policy runs (--async_train)
+    have vLLM's log-probs as the old policy: the clipped ratio is the correction there."""
+    rollout_correction_bounds: Optional[tuple[float, float]] = None
+    """[low, high] of the ratio --rollout_correction keeps; unset: [0.5, 2] for token_mask, [0, 3] otherwise."""
+    max_mismatch_kl: float = 0.1
+    """Stop the run when a step's rollout/mismatch_kl (vLLM's log-probs of its samples against the trainer's,
+    before the update) exceeds this: the weight sync into vLLM is broken."""
     # -- placement
     actor_num_nodes: int = 1
     """Nodes for the trainer group."""
@@ -251,6 +262,62 @@ def policy_loss(logps, old_logps, advantages, eps_low, eps_high, dual_clip=None)
         loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
     return loss, (surr2 < surr1).float()
 
+
+def gspo_loss(logps, old_logps, advantages, mask, sample_index, num_samples, eps_low, eps_high):
+    """Per-token GSPO loss: one ratio per sample, s = exp(mean over its loss tokens of logps - old_logps), clipped to
+    [1 - eps_low, 1 + eps_high]; each of its tokens carries -min(s A, clip(s) A) with the value s and the gradient
+    s x d logp (so a sample's token mean has the gradient of s, the paper's objective). Returns (loss, clipped mask)."""
+    keep = sample_index >= 0
+    index = sample_index.clamp(min=0)
+    sums = torch.zeros(num_samples, dtype=logps.dtype).index_add(0, index[keep], ((logps - old_logps) * mask)[keep])
+    counts = torch.zeros(num_samples, dtype=logps.dtype).index_add(0, index[keep], mask[keep])
+    sequence_log_ratio = (sums / counts.clamp(min=1)).clamp(-20, 20).detach()[index]
+    ratio = torch.exp(sequence_log_ratio + logps - logps.detach())
+    surr1 = ratio * advantages
+    surr2 = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
+    return -torch.min(surr1, surr2), (surr2 < surr1).float()
+
+
+def cispo_loss(logps, old_logps, advantages, eps_low, eps_high):
+    """Per-token CISPO loss: -sg(clip(r, 1 - eps_low, 1 + eps_high)) x A x logp, r = exp(logps - old_logps): the
+    clipped ratio is a constant weight, so every token keeps the gradient of its log-prob. Returns (loss, clipped
+    mask)."""
+    ratio = torch.exp((logps - old_logps).clamp(-20, 20)).detach()
+    weight = ratio.clamp(1 - eps_low, 1 + eps_high)
+    return -weight * advantages * logps, (weight != ratio).float()
+
+
+def rollout_correction(log_ratio, mask, sample_index, num_samples, mode, bounds):
+    """Per-token loss weights for the gap between the trainer's log-probs and those vLLM sampled with (log_ratio =
+    trainer - vLLM per sampled token, ratio = exp(log_ratio); [low, high] = bounds): token_truncate weighs each token
+    by its ratio clamped to [low, high] (truncated importance sampling, one-sided with low 0); token_mask gives a
+    token whose ratio leaves [low, high] no loss (IcePop); sequence_mask gives every token of a sample whose
+    geometric-mean ratio leaves [low, high] no loss; none weighs 1. Returns (weights, corrected tokens, dropped
+    samples): 0/1 per token, and per token of each sample that sequence_mask dropped."""
+    ratio = torch.exp(log_ratio.clamp(-20, 20))
+    low, high = bounds
+    none = torch.zeros_like(ratio)
+    if mode == "token_truncate":
+        return ratio.clamp(low, high), ((ratio < low) | (ratio > high)).float() * mask, none
+    if mode == "token_mask":
+        out = ((ratio < low) | (ratio > high)).float() * mask
+        return 1 - out, out, none
+    if mode == "sequence_mask":
+        keep = sample_index >= 0
+        index = sample_index.clamp(min=0)
+        sums = torch.zeros(num_samples, dtype=ratio.dtype).index_add(0, index[keep], (log_ratio * mask)[keep])
+        counts = torch.zeros(num_samples, dtype=ratio.dtype).index_add(0, index[keep], mask[keep])
+        geometric = torch.exp((sums / counts.clamp(min=1)).clamp(-20, 20))
+        out = ((geometric < low) | (geometric > high)).float()[index] * mask
+        return 1 - out, out, out
+    return torch.ones_like(ratio), none, none
+
+
+def correction_bounds(args):
+    """--rollout_correction_bounds, or the mode's default: [0.5, 2] for token_mask (IcePop's), [0, 3] otherwise
+    (TRL's cap)."""
+    return args.rollout_correction_bounds or ((0.5, 2.0) if args.rollout_correction == "token_mask" else (0.0, 3.0))
+
 def check_loss_flags(args):
     """The checks of the flags these terms read (parse_args calls it; raises ValueError naming the flag)."""
     if args.use_kl_loss and args.init_kl_coef <= 0:
@@ -266,10 +333,14 @@ def check_loss_flags(args):
         if not (0 < eps_low < 1 and 0 < eps_high < 1):
             raise ValueError(f"--async_train with --max_staleness {args.async_rollout.max_staleness} needs a clipped "
                              f"ratio: --eps_clip / --eps_clip_low_high bounds in (0, 1), got {eps_low}, {eps_high}")
-        if args.vllm_is_truncation > 0:
-            raise ValueError("--vllm_is_truncation with --async_train --max_staleness > 0: the old policy is already "
-                             "vLLM's (the ratio p_trainer / p_vllm is the clipped PPO ratio)")
-# ---- end of boilerplate: actor loss terms ----
+    if args.policy_loss == "gspo" and args.advantage_estimator == "dr_grpo":
+        raise ValueError("--policy_loss gspo averages each sample's tokens, --advantage_estimator dr_grpo divides "
+                         "every token by one constant: use another estimator with gspo")
+    low, high = correction_bounds(args)
+    if not 0 <= low < 1 < high:
+        raise ValueError(f"--rollout_correction_bounds must hold 0 <= low < 1 < high, got {low}, {high}")
+    if args.max_mismatch_kl <= 0:
+        raise ValueError(f"--max_mismatch_kl must be > 0, got {args.max_mismatch_kl}")
 
 
 def aggregate(per_token, mask, sample_index, num_samples, mode):
@@ -293,7 +364,86 @@ def step_normaliser(mode, tokens, sequences, train_batch_size, generate_max_len)
     return float(max(tokens if mode == "token" else sequences, 1))
 
 
+def normalisers(args, counts):
+    """The step's loss divisor (step_normaliser) and its metrics' (means over the samples that ran: token means, or
+    sample means in sequence mode), from the step's counts over every rank (common.infra.trainer_actor)."""
+    mode = loss_mode(args)
+    return (step_normaliser(mode, counts["tokens"], counts["sequences"],
+                            args.train.train_batch_size * args.ring.ring_attn_size, args.generate_max_len),
+            step_normaliser("sequence" if mode == "sequence" else "token", counts["run_tokens"],
+                            counts["run_sequences"], 0, 0))
+
+
+def single_update(args):
+    """Each rollout feeds exactly one optimizer step, and no KL to the reference goes into the
+    reward: the log-probs before the update are the update's own (ratio 1), so the separate
+    forward that computes them is skipped, as TRL and OpenRLHF skip it. Never off-policy: there
+    the ratio to the behaviour policy is not 1."""
+    if off_policy(args):
+        return False
+    samples = args.rollout_batch_size * args.n_samples_per_prompt
+    one_step = args.train.max_epochs == 1 and samples == args.train.train_batch_size
+    return one_step and not (args.init_kl_coef > 0 and not args.use_kl_loss)
+
+
+def batch_values(args):
+    """The per-token values micro_batch_loss reads from a training batch."""
+    return (("advantages", "vllm_logps") + (() if single_update(args) else ("old_logps",))
+            + (("ref_logps",) if args.use_kl_loss else ()))
+
+
+def micro_batch_loss(model, batch, args, ring=None):
+    """The policy loss of one collated micro-batch, summed as the step's normaliser expects (see aggregate); returns
+    (loss, metric sums). Without "old_logps" in the batch (single_update) the current log-probs stand in for them,
+    detached."""
+    logps, outputs = ring_token_logps(model, batch, ring, return_entropy=True)
+    mask = batch["loss_mask"]
+    old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
+    eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
+    if args.policy_loss == "gspo":
+        per_token, clipped = gspo_loss(logps, old_logps, batch["advantages"], mask, batch["sample_index"],
+                                       batch["num_samples"], eps_low, eps_high)
+    elif args.policy_loss == "cispo":
+        per_token, clipped = cispo_loss(logps, old_logps, batch["advantages"], eps_low, eps_high)
+    else:
+        per_token, clipped = policy_loss(logps, old_logps, batch["advantages"], eps_low, eps_high, args.dual_clip)
+    # vLLM sampled from slightly different numbers than the trainer computes (off-policy runs: its log-probs are
+    # the old policy, the log-ratio is 0 and every weight 1)
+    log_ratio = old_logps - batch["vllm_logps"]
+    weights, corrected, dropped = rollout_correction(log_ratio, mask, batch["sample_index"], batch["num_samples"],
+                                                     args.rollout_correction, correction_bounds(args))
+    per_token = per_token * weights
+
+    def agg(per_token_values):  # summed as the step's normaliser expects (loss_mode)
+        return aggregate(per_token_values, mask, batch["sample_index"], batch["num_samples"], loss_mode(args))
+
+    pieces = {"policy_loss": agg(per_token)}
+    total = pieces["policy_loss"]
+    if args.use_kl_loss:
+        pieces["kl_loss"] = agg(approx_kl(logps, batch["ref_logps"], args.kl_estimator))
+        total = total + args.init_kl_coef * pieces["kl_loss"]
+    pieces["entropy"] = agg(outputs.entropy if args.entropy_loss_coef > 0 else outputs.entropy.detach())
+    if args.entropy_loss_coef > 0:
+        total = total - args.entropy_loss_coef * pieces["entropy"]
+    pieces["clip_ratio"] = agg(clipped)
+    # vLLM's log-probs of its samples vs the trainer's before this update: k3 of KL(vLLM || trainer) per token,
+    # |difference| mean and max, and the share of tokens and of samples the correction changed
+    pieces["mismatch_kl"] = agg(torch.exp(log_ratio.clamp(-20, 20)) - 1 - log_ratio)
+    pieces["logp_abs_diff_mean"] = agg(log_ratio.abs())
+    pieces["corrected_token_share"] = agg(corrected)
+    metrics = {k: v.item() for k, v in pieces.items()}
+    metrics["corrected_sequences"] = aggregate(dropped, mask, batch["sample_index"], batch["num_samples"],
+                                               "sequence").item()
+    metrics["logp_abs_diff_max"] = (log_ratio.abs() * mask).max().item()
+    return total, metrics
+# ---- end of boilerplate: actor loss terms ----
+
+
 def loss_mode(args):
+    """How a step's loss terms are summed and divided (aggregate, step_normaliser): Dr. GRPO's constant normaliser,
+    else --loss_agg."""
+    if args.policy_loss == "gspo":  # the paper's objective: a mean over samples of each sample's term
+        return "sequence"
     return "constant" if args.advantage_estimator == "dr_grpo" else args.loss_agg
 
 
@@ -313,171 +463,13 @@ def micro_batches(samples, micro, args):
     return [run[a : a + n] for a, n in zip(starts, sizes)], len(samples) - len(run)
 
 
-def single_update(args):
-    """Each rollout feeds exactly one optimizer step, and no KL to the reference goes into the
-    reward: the log-probs before the update are the update's own (ratio 1), so the separate
-    forward that computes them is skipped, as TRL and OpenRLHF skip it. Never off-policy: there
-    the ratio to the behaviour policy is not 1."""
-    if off_policy(args):
-        return False
-    samples = args.rollout_batch_size * args.n_samples_per_prompt
-    one_step = args.train.max_epochs == 1 and samples == args.train.train_batch_size
-    return one_step and not (args.init_kl_coef > 0 and not args.use_kl_loss)
-
-
-def micro_batch_loss(model, batch, args, ring=None):
-    """The policy loss of one collated micro-batch, summed as the step's normaliser expects (see aggregate); returns
-    (loss, metric sums). Without "old_logps" in the batch (single_update) the current log-probs stand in for them,
-    detached."""
-    logps, outputs = ring_token_logps(model, batch, ring, return_entropy=True)
-    mask = batch["loss_mask"]
-    old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
-    eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
-    per_token, clipped = policy_loss(logps, old_logps, batch["advantages"], eps_low, eps_high, args.dual_clip)
-    if args.vllm_is_truncation > 0:  # vLLM sampled from slightly different numbers than the trainer computes
-        per_token = per_token * torch.exp(old_logps - batch["vllm_logps"]).clamp(max=args.vllm_is_truncation)
-    mode = loss_mode(args)
-    pieces = {"policy_loss": aggregate(per_token, mask, batch["sample_index"], batch["num_samples"], mode)}
-    total = pieces["policy_loss"]
-    if args.use_kl_loss:
-        kl = approx_kl(logps, batch["ref_logps"], args.kl_estimator)
-        pieces["kl_loss"] = aggregate(kl, mask, batch["sample_index"], batch["num_samples"], mode)
-        total = total + args.init_kl_coef * pieces["kl_loss"]
-    entropy = outputs.entropy if args.entropy_loss_coef > 0 else outputs.entropy.detach()
-    pieces["entropy"] = aggregate(entropy, mask, batch["sample_index"], batch["num_samples"], mode)
-    if args.entropy_loss_coef > 0:
-        total = total - args.entropy_loss_coef * pieces["entropy"]
-    pieces["clip_ratio"] = aggregate(clipped, mask, batch["sample_index"], batch["num_samples"], mode)
-    metrics = {k: v.item() for k, v in pieces.items()}
-    # vLLM's log-probs of its samples vs the trainer's before this update (the weight-sync check)
-    metrics["vllm_logp_max_abs_diff"] = ((old_logps - batch["vllm_logps"]).abs() * mask).max().item()
-    return total, metrics
-
-
-# ----------------------------------------------------------------------------------------------
-# The trainer: one Ray actor per rank; together one torch.distributed group running DeepSpeed
-# ----------------------------------------------------------------------------------------------
-class PolicyTrainer:
-    def __init__(self, args: Args, rank, world, pad_id):
-        self.args, self.rank, self.world, self.pad_id = args, rank, world, pad_id
-
-    def address(self):
-        return rendezvous_address()
-
-    def setup(self, master_addr, master_port, num_training_steps):
-        """Join the trainer group (bounded by --rendezvous_timeout) and load the models."""
-        args = self.args
-        join_group(self.rank, self.world, master_addr, master_port, args.cluster.rendezvous_timeout, args.train.seed,
-                   args.actor_num_gpus_per_node)  # the phases run one at a time: each takes the node's cores
-        world = setup(args.ring, args.train.seed)  # the group joined above; its rings
-        self.ring = world.ring  # None without --ring_attn_size
-        self.engine = train_engine(args.model, args.train, num_training_steps, world)
-        self.layout = self.engine.layout
-        # coefficient 0: no reference model at all
-        self.ref = frozen_engine(reference_args(args), args.train, world) if args.init_kl_coef > 0 else None
-        return True
-
-    def setup_weight_sync(self, engines):
-        self.weight_sync = weight_sync(self.args, self.rank, engines)
-        return True
-
-    def sync_weights(self):
-        return self.weight_sync.sync(self.engine)
-
-    @torch.no_grad()
-    def logprobs(self, samples, policy=True):
-        """Per-response-token log-probs under the reference, and under the policy before the update
-        unless single_update makes them the update's own."""
-        self.engine.eval()
-        out = {"old_logps": [], "ref_logps": []}
-        micro, max_tokens = self.args.micro_rollout_batch_size, self.max_tokens(samples)
-        for start in range(0, len(samples), micro):
-            chunk = samples[start : start + micro]
-            batch = to_device(make_batch(chunk, self.pad_id, max_tokens, self.layout.one_row,
-                                         share_prompt=self.layout.share_prefixes),
-                              device())
-            for key, model in (("old_logps", self.engine if policy else None), ("ref_logps", self.ref)):
-                if model is None:
-                    continue
-                logps, _ = ring_token_logps(model, batch, self.ring)
-                out[key] += [t[p:].cpu().tolist() for p, t in zip(batch["response_offsets"], unpack(logps, batch))]
-        self.engine.train()
-        return out
-
-    def max_tokens(self, samples):
-        """Packed row length: the longest sample the run can produce (and at least this batch's longest)."""
-        longest = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
-        return max(longest, self.args.prompt_max_len + self.args.generate_max_len)
-
-    def train(self, steps):
-        """steps: this rank's samples of each optimizer step (with advantages, old/ref/vLLM
-        log-probs). Returns the step-averaged metrics (rank 0)."""
-        args, engine, ring_size = self.args, self.engine, self.args.ring.ring_attn_size
-        micro = args.train.micro_train_batch_size
-        values = (["advantages", "vllm_logps"] + ([] if single_update(args) else ["old_logps"])
-                  + (["ref_logps"] if args.use_kl_loss else []))
-        totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
-        for samples in steps:
-            max_tokens = self.max_tokens(samples)
-            chunks, skipped = micro_batches(samples, micro, args)
-            batches = [to_device(make_batch(chunk, self.pad_id, max_tokens, self.layout.one_row, values,
-                                            self.layout.share_prefixes),
-                                 device()) for chunk in chunks]
-            # counted on every rank: the ranks of a ring count their samples ring-size times, as DeepSpeed counts
-            # them (common.infra.engine.deepspeed_config), and the loss is the ring's ring-size times. The
-            # normaliser counts the skipped samples too; the metrics are means over what ran (token means in every
-            # mode)
-            tokens, sequences, run_tokens, run_sequences, skipped = all_reduce_sum([
-                sum(sum(token_sample(s)["loss_mask"]) for s in samples), sum(not s.get("masked") for s in samples),
-                sum(b["loss_mask"].sum().item() for b in batches),
-                sum(not s.get("masked") for chunk in chunks for s in chunk), skipped / ring_size])
-            mode = loss_mode(args)
-            normaliser = step_normaliser(mode, tokens, sequences, args.train.train_batch_size * ring_size,
-                                         args.generate_max_len)
-            metric_normaliser = step_normaliser("sequence" if mode == "sequence" else "token", run_tokens,
-                                                run_sequences, 0, 0)
-            lrs.append(engine.get_lr()[0])
-            step_metrics = {}
-            for batch in batches:
-                loss, metrics = micro_batch_loss(engine, batch, args, self.ring)
-                grad_norm = backward_step(engine, loss, normaliser)
-                vllm_diff = max(vllm_diff, metrics.pop("vllm_logp_max_abs_diff"))
-                for k, v in metrics.items():
-                    step_metrics[k] = step_metrics.get(k, 0.0) + v
-            reduced = all_reduce_sum(list(step_metrics.values()))
-            for k, v in zip(step_metrics, reduced):
-                totals[k] = totals.get(k, 0.0) + v / metric_normaliser / len(steps)
-            totals["skipped_samples"] = totals.get("skipped_samples", 0.0) + skipped / len(steps)
-            grad_norms.append(grad_norm)
-        totals["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        totals["lr"] = sum(lrs) / len(lrs)
-        diff = torch.tensor(vllm_diff, device=device())
-        torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
-        totals["vllm_logp_max_abs_diff"] = diff.item()
-        return totals
-
-    def checkpoint(self, step, client_state):
-        save_checkpoint(self.engine, self.args.ckpt.ckpt_path, step, client_state, self.args.ckpt.max_ckpt_num)
-        return True
-
-    def restore(self):
-        return load_checkpoint(self.engine, self.args.ckpt.ckpt_path)
-
-    def save_model(self, path):
-        tokenizer = load_tokenizer(self.args.model.pretrain, self.args)
-        save_hf_model(self.engine, tokenizer, path, merge_lora=self.args.ckpt.merge_lora,
-                      base_path=self.args.model.pretrain)
-        return True
-
-
 # ----------------------------------------------------------------------------------------------
 # Driver side: placement
 # ----------------------------------------------------------------------------------------------
 def place_models(args, world, pad_id, roles):
-    """Ray actors: trainers, vLLM engines, reward models; colocated in the trainers' bundles, or apart.
-    Each is added to `roles` under the name errors give it."""
+    """Ray actors: trainers (common.infra.trainer_actor, with this file's loss), vLLM engines, reward models;
+    colocated in the trainers' bundles, or apart. Each is added to `roles` under the name errors give it."""
     import ray
-
 
     gpu = ray.cluster_resources().get("GPU", 0) > 0
     at = trainer_bundles(roles, args.actor_num_nodes, args.actor_num_gpus_per_node, gpu, args.cluster.startup_timeout,
@@ -485,10 +477,12 @@ def place_models(args, world, pad_id, roles):
     colocated = args.cluster.colocate_all_models
     # colocated: up to five roles share one device, and roles split their bundle's CPU
     cpus, gpus = (0.5, 0.2 if gpu else 0) if colocated else (1, 1 if gpu else 0)
-    trainers = [roles.add(f"trainer rank {r}", actor_class(PolicyTrainer).options(
-                    num_cpus=cpus, num_gpus=gpus,
-                    scheduling_strategy=at(r)).remote(args, r, world, pad_id))
-                for r in range(world)]
+    spec = TrainerSpec(args.model, "old_logps", train=args.train, loss=micro_batch_loss, normalisers=normalisers,
+                       micro_batches=micro_batches, values=batch_values(args), ckpt_dir=args.ckpt.ckpt_path,
+                       share_prompts=True,
+                       reference=reference_args(args) if args.init_kl_coef > 0 else None)  # 0: no reference at all
+    # the phases run one at a time: each rank takes the node's cores
+    trainers = start_ranks(roles, "trainer", args, spec, world, pad_id, args.actor_num_gpus_per_node, cpus, gpus, at)
     engines = start_engines(args, roles, cpus, gpus, at if colocated else None)
     return trainers, engines, start_reward_models(args, roles, cpus, gpus, at(0) if colocated else None)
 
@@ -524,6 +518,7 @@ def main(args: Args):
             roles.get([t.sync_weights.remote() for t in trainers])  # the engines still hold the start weights
         print(f"resumed from {args.ckpt.ckpt_path} at step {state['global_step']}" if loaded else
               f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
+    # ---- boilerplate: rollout set-up (the same text in grpo.py and ppo.py; tests/test_boilerplate.py) ----
     logger = MetricsLogger(args.log, asdict(args), True)
     if eval_prompts and state["global_step"] == 0:
         metrics = evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer, env_cls)
@@ -540,12 +535,14 @@ def main(args: Args):
         from common.async_rollouts import Rollouts
 
         rollouts = Rollouts(args, collect, state["global_step"], total_steps, state["consumed_prompts"])
+    # ---- end of boilerplate: rollout set-up ----
     bar = progress(range(state["global_step"], total_steps), desc="grpo", initial=state["global_step"],
                    total=total_steps)
     for step in bar:
         t_step, timing = time.time(), {}
         phases = progress(total=5, desc=f"step {step + 1}", leave=False, position=1)
 
+        # ---- boilerplate: step rollout (the same text in grpo.py and ppo.py; tests/test_boilerplate.py) ----
         def phase(name, t0):
             timing[f"time/{name}"] = timing.get(f"time/{name}", 0.0) + time.time() - t0
             phases.set_postfix_str(name)
@@ -557,20 +554,13 @@ def main(args: Args):
         state["consumed_prompts"] = rollout["end"]
         samples, raw_rewards = rollout_samples(rollout, args)
         phases.update(2)
+        # ---- end of boilerplate: step rollout ----
 
         # 3. log-probs before the update: policy (old, unless single_update or off-policy) and reference;
         # each ring its contiguous shard (trainer rank r is in ring r // ring size; its first rank answers)
         t0 = time.time()
-        shard, policy_pass = per_step // (world // ring_size), not single_update(args) and not stale
-        if policy_pass or args.init_kl_coef > 0:
-            outs = roles.get([t.logprobs.remote(samples[r // ring_size * shard : (r // ring_size + 1) * shard],
-                                                policy_pass) for r, t in enumerate(trainers)])[::ring_size]
-            for r, out in enumerate(outs):
-                for k, s in enumerate(samples[r * shard : (r + 1) * shard]):
-                    if policy_pass:
-                        s["old_logps"] = out["old_logps"][k]
-                    if out["ref_logps"]:
-                        s["ref_logps"] = out["ref_logps"][k]
+        keys = ["old_logps"] * (not single_update(args) and not stale) + ["ref_logps"] * (args.init_kl_coef > 0)
+        per_token(roles, samples, [(trainers, keys)], ring_size)
         if stale:  # the behaviour policy: the weights that sampled them, up to K updates before the trainer's
             for s in samples:
                 s["old_logps"] = s["vllm_logps"]
@@ -587,7 +577,8 @@ def main(args: Args):
             roles.get([e.sleep.remote() for e in engines])
         t0 = time.time()
         ring_steps = split_steps(samples, args, step, world // ring_size)
-        train_metrics = roles.get([t.train.remote(ring_steps[r // ring_size]) for r, t in enumerate(trainers)])[0]
+        train_metrics = roles.get(each_ring(trainers, "train", ring_size, ring_steps))[0]
+        train_metrics.pop("time_s")  # the driver times the phase
         phase("train", t0)
         phases.update(1)
 
@@ -605,12 +596,10 @@ def main(args: Args):
 
         # 7. log, evaluate, save
         state["global_step"] = global_step = step + 1
-        vllm_diff = train_metrics.pop("vllm_logp_max_abs_diff")
-        metrics = {**rollout_metrics(rollout, samples, raw_rewards, step),
+        gap = mismatch_metrics(train_metrics, stale, global_step, args.max_mismatch_kl)
+        metrics = {**rollout_metrics(rollout, samples, raw_rewards, step), **gap,
                    "perf/sync_mb": sync["bytes"] / 2**20, "perf/samples_per_s": per_step / (time.time() - t_step),
                    **timing, **{f"train/{k}": v for k, v in train_metrics.items()}}
-        if not stale:  # the trainer's log-probs before the update vs vLLM's on the same weights
-            metrics["check/vllm_logp_max_abs_diff"] = vllm_diff
         metrics.update(kl_to_reference(samples))
         bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")
         if eval_prompts and eval_due(global_step, args.log.eval_steps, steps_per_episode, total_steps):

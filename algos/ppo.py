@@ -45,23 +45,21 @@ if importlib.util.find_spec("common") is None:
     sys.exit(f"error: {__file__} cannot import common/: run it with PYTHONPATH=<the minrlhf checkout>")
 from common.infra.datasets import load_one, load_tokenizer  # noqa: E402
 from common.infra.cluster import (  # noqa: E402
-    environment, join_group, load_prompts, off_policy, reference_args, rendezvous_address, reward_function,
-    resolve_rollout_args, rollout_steps, start_engines, start_group, start_ray, start_reward_models, trainer_bundles,
-    validate_rollout_args, weight_sync,
+    environment, load_prompts, off_policy, reference_args, reward_function, resolve_rollout_args, rollout_steps,
+    start_engines, start_ray, start_reward_models, trainer_bundles, validate_rollout_args,
 )
-from common.infra.roles import RoleFailed, Roles, actor_class  # noqa: E402
+from common.infra.roles import RoleFailed, Roles  # noqa: E402
 from common.infra.engine import (  # noqa: E402
-    CkptArgs, ModelArgs, accumulation_steps, all_reduce_sum, backward_step, device, frozen_engine,
-    load_checkpoint, parse_cli, run, save_checkpoint, save_hf_model, script_ckpt_args, setup,
-    train_engine, validate_common_args,
+    CkptArgs, ModelArgs, accumulation_steps, parse_cli, run, script_ckpt_args, validate_common_args,
 )
-from common.packing import collate, to_device, unpack, unwrap  # noqa: E402
+from common.infra.trainer_actor import TrainerSpec, each_ring, per_token, start_group, start_ranks  # noqa: E402
+from common.packing import unwrap  # noqa: E402
 from common.ring_attention import (  # noqa: E402
     ring_forward, ring_model_args, ring_next_token_values, ring_token_logps, validate_ring_args,
 )
 from common.rollout import (  # noqa: E402
-    RLArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
-    model_tokens, prompt_at, rollout_metrics, rollout_samples, split_steps,
+    RLArgs, collect_rollout, evaluate, kl_to_reference, mismatch_metrics, model_tokens, prompt_at, rollout_metrics,
+    rollout_samples, split_steps,
 )
 from common.infra.tracking import MetricsLogger, eval_due, progress  # noqa: E402
 
@@ -102,7 +100,8 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
     lambd_critic: float = 1.0
     """GAE lambda of the critic's returns (decoupled GAE, VC-PPO / VAPO; 1: Monte-Carlo returns)."""
     loss_agg: Literal["token", "sequence"] = "token"
-    """token: mean over the step's response tokens; sequence: mean over samples of their token means (both models)."""
+    """token: mean over the step's response tokens; sequence: mean over samples of their token means (both models;
+    --policy_loss gspo: sequence)."""
     eps_clip: float = 0.2
     """PPO ratio clip."""
     eps_clip_low_high: Optional[tuple[float, float]] = None
@@ -119,9 +118,21 @@ class Args(RLArgs):  # + the prompt, reward and rollout flags both RL drivers sh
     """Put the KL in the actor's loss instead of the per-token reward."""
     entropy_loss_coef: float = 0.0
     """Entropy bonus coefficient (entropy is logged either way)."""
-    vllm_is_truncation: float = 0.0
-    """Truncated importance sampling: weight each token's loss by min(p_trainer / p_vllm, this), one-sided (OpenRLHF
-    clamps to [0.5, 5]) (0: off)."""
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """ppo: the clipped ratio per token; gspo: one clipped ratio per sample, the geometric mean of its tokens', each
+    sample's tokens averaged (the step is a mean over samples whatever --loss_agg says); cispo: the clipped ratio as a
+    constant weight on each token's REINFORCE term (no token loses its gradient). The clip bounds are --eps_clip /
+    --eps_clip_low_high."""
+    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_mask"] = "sequence_mask"
+    """Correct for vLLM sampling from slightly different log-probs than the trainer's (ratio = p_trainer / p_vllm):
+    token_truncate weighs each token by its ratio clamped to the bounds; token_mask drops tokens whose ratio leaves
+    them (IcePop); sequence_mask drops samples whose geometric-mean ratio leaves them. Off-policy runs (--async_train)
+    have vLLM's log-probs as the old policy: the clipped ratio is the correction there."""
+    rollout_correction_bounds: Optional[tuple[float, float]] = None
+    """[low, high] of the ratio --rollout_correction keeps; unset: [0.5, 2] for token_mask, [0, 3] otherwise."""
+    max_mismatch_kl: float = 0.1
+    """Stop the run when a step's rollout/mismatch_kl (vLLM's log-probs of its samples against the trainer's,
+    before the update) exceeds this: the weight sync into vLLM is broken."""
     # -- placement (each role on devices of its own unless colocated)
     actor_num_nodes: int = 1
     """Nodes for the actor group (and the reference group, which mirrors it); rank r on node r // per node."""
@@ -315,6 +326,62 @@ def policy_loss(logps, old_logps, advantages, eps_low, eps_high, dual_clip=None)
         loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
     return loss, (surr2 < surr1).float()
 
+
+def gspo_loss(logps, old_logps, advantages, mask, sample_index, num_samples, eps_low, eps_high):
+    """Per-token GSPO loss: one ratio per sample, s = exp(mean over its loss tokens of logps - old_logps), clipped to
+    [1 - eps_low, 1 + eps_high]; each of its tokens carries -min(s A, clip(s) A) with the value s and the gradient
+    s x d logp (so a sample's token mean has the gradient of s, the paper's objective). Returns (loss, clipped mask)."""
+    keep = sample_index >= 0
+    index = sample_index.clamp(min=0)
+    sums = torch.zeros(num_samples, dtype=logps.dtype).index_add(0, index[keep], ((logps - old_logps) * mask)[keep])
+    counts = torch.zeros(num_samples, dtype=logps.dtype).index_add(0, index[keep], mask[keep])
+    sequence_log_ratio = (sums / counts.clamp(min=1)).clamp(-20, 20).detach()[index]
+    ratio = torch.exp(sequence_log_ratio + logps - logps.detach())
+    surr1 = ratio * advantages
+    surr2 = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
+    return -torch.min(surr1, surr2), (surr2 < surr1).float()
+
+
+def cispo_loss(logps, old_logps, advantages, eps_low, eps_high):
+    """Per-token CISPO loss: -sg(clip(r, 1 - eps_low, 1 + eps_high)) x A x logp, r = exp(logps - old_logps): the
+    clipped ratio is a constant weight, so every token keeps the gradient of its log-prob. Returns (loss, clipped
+    mask)."""
+    ratio = torch.exp((logps - old_logps).clamp(-20, 20)).detach()
+    weight = ratio.clamp(1 - eps_low, 1 + eps_high)
+    return -weight * advantages * logps, (weight != ratio).float()
+
+
+def rollout_correction(log_ratio, mask, sample_index, num_samples, mode, bounds):
+    """Per-token loss weights for the gap between the trainer's log-probs and those vLLM sampled with (log_ratio =
+    trainer - vLLM per sampled token, ratio = exp(log_ratio); [low, high] = bounds): token_truncate weighs each token
+    by its ratio clamped to [low, high] (truncated importance sampling, one-sided with low 0); token_mask gives a
+    token whose ratio leaves [low, high] no loss (IcePop); sequence_mask gives every token of a sample whose
+    geometric-mean ratio leaves [low, high] no loss; none weighs 1. Returns (weights, corrected tokens, dropped
+    samples): 0/1 per token, and per token of each sample that sequence_mask dropped."""
+    ratio = torch.exp(log_ratio.clamp(-20, 20))
+    low, high = bounds
+    none = torch.zeros_like(ratio)
+    if mode == "token_truncate":
+        return ratio.clamp(low, high), ((ratio < low) | (ratio > high)).float() * mask, none
+    if mode == "token_mask":
+        out = ((ratio < low) | (ratio > high)).float() * mask
+        return 1 - out, out, none
+    if mode == "sequence_mask":
+        keep = sample_index >= 0
+        index = sample_index.clamp(min=0)
+        sums = torch.zeros(num_samples, dtype=ratio.dtype).index_add(0, index[keep], (log_ratio * mask)[keep])
+        counts = torch.zeros(num_samples, dtype=ratio.dtype).index_add(0, index[keep], mask[keep])
+        geometric = torch.exp((sums / counts.clamp(min=1)).clamp(-20, 20))
+        out = ((geometric < low) | (geometric > high)).float()[index] * mask
+        return 1 - out, out, out
+    return torch.ones_like(ratio), none, none
+
+
+def correction_bounds(args):
+    """--rollout_correction_bounds, or the mode's default: [0.5, 2] for token_mask (IcePop's), [0, 3] otherwise
+    (TRL's cap)."""
+    return args.rollout_correction_bounds or ((0.5, 2.0) if args.rollout_correction == "token_mask" else (0.0, 3.0))
+
 def check_loss_flags(args):
     """The checks of the flags these terms read (parse_args calls it; raises ValueError naming the flag)."""
     if args.use_kl_loss and args.init_kl_coef <= 0:
@@ -330,15 +397,20 @@ def check_loss_flags(args):
         if not (0 < eps_low < 1 and 0 < eps_high < 1):
             raise ValueError(f"--async_train with --max_staleness {args.async_rollout.max_staleness} needs a clipped "
                              f"ratio: --eps_clip / --eps_clip_low_high bounds in (0, 1), got {eps_low}, {eps_high}")
-        if args.vllm_is_truncation > 0:
-            raise ValueError("--vllm_is_truncation with --async_train --max_staleness > 0: the old policy is already "
-                             "vLLM's (the ratio p_trainer / p_vllm is the clipped PPO ratio)")
-# ---- end of boilerplate: actor loss terms ----
+    if args.policy_loss == "gspo" and args.advantage_estimator == "dr_grpo":
+        raise ValueError("--policy_loss gspo averages each sample's tokens, --advantage_estimator dr_grpo divides "
+                         "every token by one constant: use another estimator with gspo")
+    low, high = correction_bounds(args)
+    if not 0 <= low < 1 < high:
+        raise ValueError(f"--rollout_correction_bounds must hold 0 <= low < 1 < high, got {low}, {high}")
+    if args.max_mismatch_kl <= 0:
+        raise ValueError(f"--max_mismatch_kl must be > 0, got {args.max_mismatch_kl}")
 
 
 def aggregate(per_token, mask, sample_index, num_samples, mode):
-    """Sum of the loss terms of one micro-batch, to be divided by the step's normaliser: token mode sums the
-    tokens, sequence mode sums each sample's token mean (so micro-batches and ranks do not change the total)."""
+    """Sum of the loss terms of one micro-batch, to be divided by the step's normaliser (see
+    step_normaliser): token and constant modes sum the tokens, sequence mode sums each sample's
+    token mean. Splitting a step into micro-batches or ranks does not change the total."""
     if mode == "sequence":
         keep = sample_index >= 0
         sums = torch.zeros(num_samples,
@@ -348,10 +420,29 @@ def aggregate(per_token, mask, sample_index, num_samples, mode):
     return (per_token * mask).sum()
 
 
+def step_normaliser(mode, tokens, sequences, train_batch_size, generate_max_len):
+    """What a step's summed loss is divided by: its loss tokens (token), its samples with loss
+    tokens (sequence), or Dr. GRPO's constant train_batch_size x generate_max_len (constant)."""
+    if mode == "constant":
+        return float(train_batch_size * generate_max_len)
+    return float(max(tokens if mode == "token" else sequences, 1))
+
+
+def normalisers(args, counts):
+    """The step's loss divisor (step_normaliser) and its metrics' (means over the samples that ran: token means, or
+    sample means in sequence mode), from the step's counts over every rank (common.infra.trainer_actor)."""
+    mode = loss_mode(args)
+    return (step_normaliser(mode, counts["tokens"], counts["sequences"],
+                            args.train.train_batch_size * args.ring.ring_attn_size, args.generate_max_len),
+            step_normaliser("sequence" if mode == "sequence" else "token", counts["run_tokens"],
+                            counts["run_sequences"], 0, 0))
+
+
 def single_update(args):
-    """Each rollout feeds exactly one optimizer step and no KL goes into the reward: the actor's log-probs
-    before the update are the update's own (ratio 1), so that forward is skipped. Never off-policy (there
-    the old policy is vLLM's)."""
+    """Each rollout feeds exactly one optimizer step, and no KL to the reference goes into the
+    reward: the log-probs before the update are the update's own (ratio 1), so the separate
+    forward that computes them is skipped, as TRL and OpenRLHF skip it. Never off-policy: there
+    the ratio to the behaviour policy is not 1."""
     if off_policy(args):
         return False
     samples = args.rollout_batch_size * args.n_samples_per_prompt
@@ -359,25 +450,36 @@ def single_update(args):
     return one_step and not (args.init_kl_coef > 0 and not args.use_kl_loss)
 
 
-def ptx_loss(model, batch, ring=None):
-    """PPO-ptx: the token-mean language-modelling loss of a collated micro-batch of pretraining text."""
-    logps, _ = ring_token_logps(model, batch, ring)
-    return -(logps * batch["loss_mask"]).sum() / batch["loss_mask"].sum().clamp(min=1)
+def batch_values(args):
+    """The per-token values micro_batch_loss reads from a training batch."""
+    return (("advantages", "vllm_logps") + (() if single_update(args) else ("old_logps",))
+            + (("ref_logps",) if args.use_kl_loss else ()))
 
 
-def micro_batch_loss(model, batch, args, ring=None, ptx_batch=None):
-    """The actor's loss of one collated micro-batch, summed as the step's normaliser expects (see aggregate), and
-    the LM loss of `ptx_batch` (None without one); returns (loss sum, LM loss, metric sums)."""
+def micro_batch_loss(model, batch, args, ring=None):
+    """The policy loss of one collated micro-batch, summed as the step's normaliser expects (see aggregate); returns
+    (loss, metric sums). Without "old_logps" in the batch (single_update) the current log-probs stand in for them,
+    detached."""
     logps, outputs = ring_token_logps(model, batch, ring, return_entropy=True)
     mask = batch["loss_mask"]
     old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
-    per_token, clipped = policy_loss(logps, old_logps, batch["advantages"], eps_low, eps_high, args.dual_clip)
-    if args.vllm_is_truncation > 0:  # vLLM sampled from slightly different numbers than the trainer computes
-        per_token = per_token * torch.exp(old_logps - batch["vllm_logps"]).clamp(max=args.vllm_is_truncation)
+    if args.policy_loss == "gspo":
+        per_token, clipped = gspo_loss(logps, old_logps, batch["advantages"], mask, batch["sample_index"],
+                                       batch["num_samples"], eps_low, eps_high)
+    elif args.policy_loss == "cispo":
+        per_token, clipped = cispo_loss(logps, old_logps, batch["advantages"], eps_low, eps_high)
+    else:
+        per_token, clipped = policy_loss(logps, old_logps, batch["advantages"], eps_low, eps_high, args.dual_clip)
+    # vLLM sampled from slightly different numbers than the trainer computes (off-policy runs: its log-probs are
+    # the old policy, the log-ratio is 0 and every weight 1)
+    log_ratio = old_logps - batch["vllm_logps"]
+    weights, corrected, dropped = rollout_correction(log_ratio, mask, batch["sample_index"], batch["num_samples"],
+                                                     args.rollout_correction, correction_bounds(args))
+    per_token = per_token * weights
 
-    def agg(per_token_values):  # summed as the step's normaliser expects (--loss_agg)
-        return aggregate(per_token_values, mask, batch["sample_index"], batch["num_samples"], args.loss_agg)
+    def agg(per_token_values):  # summed as the step's normaliser expects (loss_mode)
+        return aggregate(per_token_values, mask, batch["sample_index"], batch["num_samples"], loss_mode(args))
 
     pieces = {"policy_loss": agg(per_token)}
     total = pieces["policy_loss"]
@@ -388,9 +490,35 @@ def micro_batch_loss(model, batch, args, ring=None, ptx_batch=None):
     if args.entropy_loss_coef > 0:
         total = total - args.entropy_loss_coef * pieces["entropy"]
     pieces["clip_ratio"] = agg(clipped)
+    # vLLM's log-probs of its samples vs the trainer's before this update: k3 of KL(vLLM || trainer) per token,
+    # |difference| mean and max, and the share of tokens and of samples the correction changed
+    pieces["mismatch_kl"] = agg(torch.exp(log_ratio.clamp(-20, 20)) - 1 - log_ratio)
+    pieces["logp_abs_diff_mean"] = agg(log_ratio.abs())
+    pieces["corrected_token_share"] = agg(corrected)
     metrics = {k: v.item() for k, v in pieces.items()}
-    metrics["vllm_logp_max_abs_diff"] = ((old_logps - batch["vllm_logps"]).abs() * mask).max().item()
-    return total, ptx_loss(model, ptx_batch, ring) if ptx_batch is not None else None, metrics
+    metrics["corrected_sequences"] = aggregate(dropped, mask, batch["sample_index"], batch["num_samples"],
+                                               "sequence").item()
+    metrics["logp_abs_diff_max"] = (log_ratio.abs() * mask).max().item()
+    return total, metrics
+# ---- end of boilerplate: actor loss terms ----
+
+
+def loss_mode(args):
+    """How a step's loss terms are summed and divided (aggregate, step_normaliser): --loss_agg (gspo: sequence)."""
+    return "sequence" if args.policy_loss == "gspo" else args.loss_agg
+
+
+def ptx_loss(model, batch, ring=None):
+    """PPO-ptx: the token-mean language-modelling loss of a collated micro-batch of pretraining text."""
+    logps, _ = ring_token_logps(model, batch, ring)
+    return -(logps * batch["loss_mask"]).sum() / batch["loss_mask"].sum().clamp(min=1)
+
+
+def ptx_term(model, ptx_batch, args, ring=None):
+    """PPO-ptx's term of the actor's loss: --ptx_coef x the LM loss of the micro-batch's pretraining rows (a mean per
+    micro-batch, which DeepSpeed's averaging keeps right), and that LM loss to log."""
+    lm = ptx_loss(model, ptx_batch, ring)
+    return args.ptx_coef * lm, {"ptx_loss": lm.item()}
 
 
 def token_values(model, batch, value_head_prefix="score", ring=None):
@@ -414,13 +542,13 @@ def token_values(model, batch, value_head_prefix="score", ring=None):
 
 def critic_micro_batch_loss(model, batch, args, ring=None):
     """The critic's clipped value loss of one micro-batch, summed as the step's normaliser expects; returns (loss
-    sum, None, metric sums), as micro_batch_loss does without PPO-ptx rows."""
+    sum, metric sums), as micro_batch_loss does."""
     values = token_values(model, batch, args.value_head_prefix, ring)
     mask = batch["loss_mask"]
     per_token, clipped = value_loss(values, batch["values"], batch["returns"], args.value_clip)
-    loss = aggregate(per_token, mask, batch["sample_index"], batch["num_samples"], args.loss_agg)
-    clip_ratio = aggregate(clipped, mask, batch["sample_index"], batch["num_samples"], args.loss_agg)
-    return loss, None, {"value_loss": loss.item(), "value_clip_ratio": clip_ratio.item()}
+    loss = aggregate(per_token, mask, batch["sample_index"], batch["num_samples"], loss_mode(args))
+    clip_ratio = aggregate(clipped, mask, batch["sample_index"], batch["num_samples"], loss_mode(args))
+    return loss, {"value_loss": loss.item(), "value_clip_ratio": clip_ratio.item()}
 
 
 def load_ptx(args: Args, tokenizer):
@@ -450,197 +578,14 @@ def ptx_steps_for(ptx, per_rank_steps, position, seed):
 
 
 # ----------------------------------------------------------------------------------------------
-# The ranks: one Ray actor each; the actor, critic and reference ranks each form a group
+# Driver side: placement
 # ----------------------------------------------------------------------------------------------
-class GroupMember:
-    """What every rank does: join its group, run per-token forwards, train, save and load checkpoints."""
-
-    def __init__(self, args: Args, rank, world, pad_id, ranks_per_node):
-        self.args, self.rank, self.world, self.pad_id, self.ranks_per_node = args, rank, world, pad_id, ranks_per_node
-        # packed row length: the longest sample (an episode's is up to --max_episode_tokens)
-        self.max_tokens = max(args.prompt_max_len + args.generate_max_len, args.agent.max_episode_tokens or 0)
-        self.asleep = False
-
-    def address(self):
-        return rendezvous_address()
-
-    def join(self, master_addr, master_port):
-        join_group(self.rank, self.world, master_addr, master_port, self.args.cluster.rendezvous_timeout,
-                   self.args.train.seed, self.ranks_per_node)
-        self.placement = setup(self.args.ring, self.args.train.seed)  # the group joined above; its rings
-        self.ring = self.placement.ring  # None without --ring_attn_size
-
-    def sleep(self):
-        """--deepspeed_enable_sleep: this rank's DeepSpeed states off the device until a method wakes them."""
-        if not self.asleep:
-            self.engine.offload_states(pin_memory=torch.cuda.is_available())
-        self.asleep = True
-        return True
-
-    def wake(self):
-        if self.asleep:
-            self.engine.reload_states()
-        self.asleep = False
-
-    @torch.no_grad()
-    def per_token(self, samples, model, forward):
-        """forward(model, batch) over micro-batches of --micro_rollout_batch_size, cut to each response."""
-        self.wake()
-        was_training, out = model.training, []
-        model.eval()
-        micro = self.args.micro_rollout_batch_size
-        for start in range(0, len(samples), micro):
-            chunk = samples[start : start + micro]
-            batch = to_device(make_batch(chunk, self.pad_id, self.max_tokens, self.engine.layout.one_row), device())
-            per_sample = unpack(forward(model, batch), batch)
-            out += [t[len(s["prompt_ids"]):].cpu().tolist() for s, t in zip(chunk, per_sample)]
-        model.train(was_training)
-        return out
-
-    def checkpoint(self, step, client_state):
-        self.wake()
-        save_checkpoint(self.engine, self.ckpt_dir, step, client_state, self.args.ckpt.max_ckpt_num)
-        return True
-
-    def restore(self, step=None):
-        """Load `latest`, or (the critic) the actor's step: the critic saves first, so its `latest` may be ahead."""
-        if step is not None:
-            tag = os.path.join(self.ckpt_dir, f"global_step{step}")
-            if not os.path.isdir(tag):
-                raise RuntimeError(f"the actor resumes at step {step} but {tag} does not exist")
-            if self.rank == 0:
-                with open(os.path.join(self.ckpt_dir, "latest"), "w") as f:
-                    f.write(f"global_step{step}")
-            torch.distributed.barrier()
-        return load_checkpoint(self.engine, self.ckpt_dir)
-
-    def train_steps(self, steps, values, loss_fn, ptx_steps=None):
-        """steps: this rank's samples of each optimizer step (ptx_steps: its pretraining rows, as many).
-        Returns the step-averaged metrics (rank 0)."""
-        self.wake()
-        args, engine, t0 = self.args, self.engine, time.time()
-        micro = args.train.micro_train_batch_size
-        gas = accumulation_steps(args.train.train_batch_size, micro, self.world // args.ring.ring_attn_size)
-        totals, grad_norms, lrs, vllm_diff = {}, [], [], 0.0
-        for k, samples in enumerate(steps):
-            chunks = range(0, len(samples), micro)
-            batches = [to_device(make_batch(samples[i : i + micro], self.pad_id, self.max_tokens, engine.layout.one_row,
-                                            values), device()) for i in chunks]
-            ptx = [to_device(dict(collate(ptx_steps[k][i : i + micro], self.pad_id, max_tokens=self.max_tokens,
-                                          one_row=engine.layout.one_row), num_micro=gas * self.world), device())
-                   if ptx_steps else None for i in chunks]  # PPO-ptx rows, tagged with the step's micro-batches
-            # counted on every rank: a ring counts its samples ring-size times, as its loss is the ring's that often
-            tokens, sequences = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in batches),
-                                                sum(not s.get("masked") for s in samples)])
-            normaliser = float(max(tokens if args.loss_agg == "token" else sequences, 1))
-            lrs.append(engine.get_lr()[0])
-            step_metrics = {}
-            for batch, ptx_b in zip(batches, ptx):
-                extra = {"ptx_batch": ptx_b} if ptx_b is not None else {}
-                loss_sum, lm, metrics = loss_fn(engine, batch, args, self.ring, **extra)
-                # PPO-ptx: DeepSpeed's averaging makes --ptx_coef x the LM loss the mean over the step's micro-batches
-                grad_norm = backward_step(engine, loss_sum, normaliser, args.ptx_coef * lm if lm is not None else 0.0)
-                if lm is not None:
-                    step_metrics["ptx_loss"] = step_metrics.get("ptx_loss", 0.0) + lm.item() / ptx_b["num_micro"]
-                vllm_diff = max(vllm_diff, metrics.pop("vllm_logp_max_abs_diff", 0.0))
-                for name, v in metrics.items():
-                    step_metrics[name] = step_metrics.get(name, 0.0) + v / normaliser
-            reduced = all_reduce_sum(list(step_metrics.values()))
-            for name, v in zip(step_metrics, reduced):
-                totals[name] = totals.get(name, 0.0) + v / len(steps)
-            grad_norms.append(grad_norm)
-        totals["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        totals["lr"] = sum(lrs) / len(lrs)
-        diff = torch.tensor(vllm_diff, device=device())
-        torch.distributed.all_reduce(diff, op=torch.distributed.ReduceOp.MAX)
-        totals["vllm_logp_max_abs_diff"], totals["time_s"] = diff.item(), time.time() - t0
-        return totals
-
-
-class PolicyTrainer(GroupMember):
-    def setup(self, master_addr, master_port, num_training_steps):
-        """Join the actor group (bounded by --rendezvous_timeout) and load the policy."""
-        self.join(master_addr, master_port)
-        args, self.ckpt_dir = self.args, os.path.join(self.args.ckpt.ckpt_path, "actor")
-        self.engine = train_engine(args.model, args.train, num_training_steps, self.placement,
-                                   offload_states=args.deepspeed_enable_sleep)
-        return True
-
-    def setup_weight_sync(self, engines):
-        self.weight_sync = weight_sync(self.args, self.rank, engines)
-        return True
-
-    def sync_weights(self):
-        self.wake()
-        return self.weight_sync.sync(self.engine)
-
-    def logprobs(self, samples):
-        """Per-response-token log-probs under the policy before the update."""
-        return self.per_token(samples, self.engine, lambda m, b: ring_token_logps(m, b, self.ring)[0])
-
-    def train(self, steps, ptx_steps=None):
-        args = self.args
-        values = (["advantages", "vllm_logps"] + ([] if single_update(args) else ["old_logps"])
-                  + (["ref_logps"] if args.use_kl_loss else []))
-        return self.train_steps(steps, values, micro_batch_loss, ptx_steps)
-
-    def save_model(self, path):
-        self.wake()
-        tokenizer = load_tokenizer(self.args.model.pretrain, self.args)
-        save_hf_model(self.engine, tokenizer, path, merge_lora=self.args.ckpt.merge_lora,
-                      base_path=self.args.model.pretrain)
-        return True
-
-
-class ReferenceRanks(GroupMember):
-    def setup(self, master_addr, master_port):
-        """Join the reference group and load the frozen start policy (DeepSpeed inference; ZeRO-3 shards it)."""
-        self.join(master_addr, master_port)
-        self.engine = frozen_engine(reference_args(self.args), self.args.train, self.placement)
-        return True
-
-    def logprobs(self, samples):
-        return self.per_token(samples, self.engine, lambda m, b: ring_token_logps(m, b, self.ring)[0])
-
-
-class CriticTrainer(GroupMember):
-    def setup(self, master_addr, master_port, num_training_steps):
-        """Join the critic group and load the critic: a sequence-classification model whose value head is read
-        at every token (rm.py's score head when it starts from a reward model)."""
-        from transformers import AutoModelForSequenceClassification
-
-        self.join(master_addr, master_port)
-        args, self.ckpt_dir = self.args, os.path.join(self.args.ckpt.ckpt_path, "critic")
-        # its own start point and learning rate, all weights trained (no LoRA); the actor's other settings
-        model_args = ModelArgs(pretrain=args.critic_pretrain, attn_implementation=args.model.attn_implementation,
-                               gradient_checkpointing=args.model.gradient_checkpointing)
-        train_args = dataclasses.replace(args.train, learning_rate=args.critic_learning_rate)
-        self.engine = train_engine(model_args, train_args, num_training_steps, self.placement,
-                                   offload_states=args.deepspeed_enable_sleep,
-                                   model_cls=AutoModelForSequenceClassification, num_labels=1, pad_token_id=self.pad_id)
-        return True
-
-    def values(self, samples):
-        """Per-response-token values before the update."""
-        return self.per_token(samples, self.engine,
-                              lambda m, b: token_values(m, b, self.args.value_head_prefix, self.ring))
-
-    def train(self, steps):
-        return self.train_steps(steps, ["values", "returns"], critic_micro_batch_loss)
-
-    def save_model(self, path):
-        """An AutoModelForSequenceClassification directory, as rm.py exports."""
-        self.wake()
-        save_hf_model(self.engine, load_tokenizer(self.args.model.pretrain, self.args), path)
-        return True
-
-
 def place_models(args, world, critic_world, pad_id, roles):
-    """Ray actors: actor, reference and critic ranks, vLLM engines, reward models. Each trainer group has a
-    placement group of its own (spread over its nodes) unless colocated; colocated roles split a bundle's
-    device. Each is added to `roles` under the name errors give it."""
+    """Ray actors: actor, reference and critic ranks (common.infra.trainer_actor, with this file's losses), vLLM
+    engines, reward models. Each trainer group has a placement group of its own (spread over its nodes) unless
+    colocated; colocated roles split a bundle's device. Each is added to `roles` under the name errors give it."""
     import ray
-
+    from transformers import AutoModelForSequenceClassification
 
     gpu = ray.cluster_resources().get("GPU", 0) > 0
     everything = args.cluster.colocate_all_models
@@ -659,16 +604,28 @@ def place_models(args, world, critic_world, pad_id, roles):
         roles, args.critic_num_nodes, args.critic_num_gpus_per_node, gpu, args.cluster.startup_timeout, "critic")
     # CPU threads per rank: cores / the ranks of a node that compute at the same time
     ranks_per_node = args.actor_num_gpus_per_node * (2 if use_ref else 1) + args.critic_num_gpus_per_node
+    ckpt, sleep = args.ckpt.ckpt_path, args.deepspeed_enable_sleep
+    actor = TrainerSpec(args.model, "old_logps", train=args.train, loss=micro_batch_loss, normalisers=normalisers,
+                        values=batch_values(args), extra_loss=ptx_term, ckpt_dir=os.path.join(ckpt, "actor"),
+                        offload_states=sleep)
+    # the critic: its own start point and learning rate, all weights trained (no LoRA); the actor's other settings.
+    # A sequence-classification model whose value head is read at every token (rm.py's score head from an RM)
+    critic = TrainerSpec(ModelArgs(pretrain=args.critic_pretrain, attn_implementation=args.model.attn_implementation,
+                                   gradient_checkpointing=args.model.gradient_checkpointing),
+                         "values", train=dataclasses.replace(args.train, learning_rate=args.critic_learning_rate),
+                         forward=lambda m, b, a, ring: token_values(m, b, a.value_head_prefix, ring),
+                         loss=critic_micro_batch_loss, normalisers=normalisers, values=("values", "returns"),
+                         ckpt_dir=os.path.join(ckpt, "critic"), offload_states=sleep,
+                         load_kwargs=dict(model_cls=AutoModelForSequenceClassification, num_labels=1,
+                                          pad_token_id=pad_id))
+    reference = TrainerSpec(reference_args(args), "ref_logps")  # the frozen start policy; ZeRO-3 shards it
 
-    def ranks(name, cls, n, at, colocated):
-        cpus, gpus = fraction(colocated)
-        return [roles.add(f"{name} rank {r}", actor_class(cls).options(
-                    num_cpus=cpus, num_gpus=gpus, scheduling_strategy=at(r)).remote(
-                    args, r, n, pad_id, ranks_per_node)) for r in range(n)]
+    def ranks(name, spec, n, at, colocated):
+        return start_ranks(roles, name, args, spec, n, pad_id, ranks_per_node, *fraction(colocated), at)
 
-    trainers = ranks("actor", PolicyTrainer, world, actor_at, ref_with_actor)
-    references = ranks("reference", ReferenceRanks, world, ref_at, ref_with_actor) if use_ref else []
-    critics = ranks("critic", CriticTrainer, critic_world, critic_at, everything or args.colocate_critic_reward)
+    trainers = ranks("actor", actor, world, actor_at, ref_with_actor)
+    references = ranks("reference", reference, world, ref_at, ref_with_actor) if use_ref else []
+    critics = ranks("critic", critic, critic_world, critic_at, everything or args.colocate_critic_reward)
     engines = start_engines(args, roles, *fraction(everything), actor_at if everything else None)
     with_critic = everything or args.colocate_critic_reward
     reward_models = start_reward_models(args, roles, *fraction(with_critic),
@@ -721,6 +678,7 @@ def main(args: Args):
             roles.get([m.sleep.remote() for m in members])
 
     rest(trainers + critics)
+    # ---- boilerplate: rollout set-up (the same text in grpo.py and ppo.py; tests/test_boilerplate.py) ----
     logger = MetricsLogger(args.log, asdict(args), True)
     if eval_prompts and state["global_step"] == 0:
         metrics = evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer, env_cls)
@@ -737,6 +695,7 @@ def main(args: Args):
         from common.async_rollouts import Rollouts
 
         rollouts = Rollouts(args, collect, state["global_step"], total_steps, state["consumed_prompts"])
+    # ---- end of boilerplate: rollout set-up ----
     bar = progress(range(state["global_step"], total_steps), desc="ppo", initial=state["global_step"],
                    total=total_steps)
     for step in bar:
@@ -744,6 +703,7 @@ def main(args: Args):
         actor_frozen = step < args.freezing_actor_steps
         phases = progress(total=6, desc=f"step {step + 1}", leave=False, position=1)
 
+        # ---- boilerplate: step rollout (the same text in grpo.py and ppo.py; tests/test_boilerplate.py) ----
         def phase(name, t0):
             timing[f"time/{name}"] = timing.get(f"time/{name}", 0.0) + time.time() - t0
             phases.set_postfix_str(name)
@@ -755,6 +715,7 @@ def main(args: Args):
         state["consumed_prompts"] = rollout["end"]
         samples, raw_rewards = rollout_samples(rollout, args)
         phases.update(2)
+        # ---- end of boilerplate: step rollout ----
 
         # 3. before the update, side by side, each group its contiguous shard: actor log-probs (unless
         # single_update makes them the update's own, or off-policy vLLM's are the old policy), reference
@@ -762,16 +723,8 @@ def main(args: Args):
         t0 = time.time()
         policy_pass = not single_update(args) and not stale
 
-        def each_ring(members, method):  # rank r is in ring r // ring size; each ring's first rank answers
-            shard = per_step // max(len(members) // ring_size, 1)
-            return [getattr(m, method).remote(samples[r // ring_size * shard : (r // ring_size + 1) * shard])
-                    for r, m in enumerate(members)]
-
-        jobs = {"values": each_ring(critics, "values"), "ref_logps": each_ring(references, "logprobs"),
-                "old_logps": each_ring(trainers if policy_pass else [], "logprobs")}
-        for key, refs in jobs.items():
-            for s, v in zip(samples, [x for shard in roles.get(refs)[::ring_size] for x in shard]):
-                s[key] = v
+        per_token(roles, samples, [(critics, ["values"]), (references, ["ref_logps"]),
+                                   (trainers, ["old_logps"] if policy_pass else [])], ring_size)
         if stale:  # the behaviour policy: the weights that sampled them, up to K updates before the actor's
             for s in samples:
                 s["old_logps"] = s["vllm_logps"]
@@ -800,7 +753,7 @@ def main(args: Args):
             roles.get([e.sleep.remote() for e in engines])
         t0 = time.time()
         critic_steps = split_steps(samples, args, step, critic_world // ring_size)  # per ring, as in step 3
-        refs = [c.train.remote(critic_steps[r // ring_size]) for r, c in enumerate(critics)]
+        refs = each_ring(critics, "train", ring_size, critic_steps)
         if args.deepspeed_enable_sleep:  # the critic's states leave the device before the actor's return
             roles.get(refs)
             rest(critics)
@@ -834,7 +787,6 @@ def main(args: Args):
         # 7. log, evaluate, save
         state["global_step"] = global_step = step + 1
         timing["time/critic_train"] = critic_metrics.pop("time_s")
-        critic_metrics.pop("vllm_logp_max_abs_diff")
         metrics = {**rollout_metrics(rollout, samples, raw_rewards, step),
                    "train/actor_frozen": float(actor_frozen),
                    "train/advantage_abs": mean(torch.cat(advantages)[flat_mask].abs()),
@@ -844,12 +796,10 @@ def main(args: Args):
                    **{f"critic/{k}": v for k, v in critic_metrics.items()}}
         if actor_metrics:
             timing["time/actor_train"] = actor_metrics.pop("time_s")
-            vllm_diff = actor_metrics.pop("vllm_logp_max_abs_diff")
-            if not stale:  # the actor's log-probs before the update vs vLLM's on the same weights
-                metrics["check/vllm_logp_max_abs_diff"] = vllm_diff
+            metrics.update(mismatch_metrics(actor_metrics, stale, global_step, args.max_mismatch_kl))
             metrics.update({f"train/{k}": v for k, v in actor_metrics.items()})
         elif policy_pass:  # a frozen actor still had its log-probs computed: the engines must match them
-            metrics["check/vllm_logp_max_abs_diff"] = max(
+            metrics["rollout/logp_abs_diff_max"] = max(
                 (torch.tensor(s["old_logps"]) - torch.tensor(s["vllm_logps"])).abs().max().item() for s in samples)
         metrics.update(timing)
         metrics.update(kl_to_reference(samples))

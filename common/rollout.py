@@ -371,6 +371,23 @@ def rollout_metrics(rollout, samples, raw_rewards, step):
     return metrics
 
 
+def mismatch_metrics(train_metrics, stale, step, max_mismatch_kl):
+    """The trainer-vLLM gap of a step, popped from the trainer's metrics (the actor-loss terms of grpo.py / ppo.py):
+    rollout/mismatch_kl (k3 of KL(vLLM || trainer) per token), rollout/logp_abs_diff_mean and _max, and the shares of
+    tokens and samples the correction changed. None for an off-policy step (vLLM's log-probs are its old policy).
+    A mismatch past max_mismatch_kl raises ValueError naming the weight sync, the step and the flag."""
+    names = ("mismatch_kl", "logp_abs_diff_mean", "logp_abs_diff_max", "corrected_token_share", "corrected_sequences")
+    gap = {name: train_metrics.pop(name) for name in names}
+    if stale:
+        return {}
+    if gap["mismatch_kl"] > max_mismatch_kl:
+        raise ValueError(f"step {step}: vLLM sampled from other weights than the trainer's (a broken weight sync or "
+                         f"model load): mismatch KL {gap['mismatch_kl']:.4g} > --max_mismatch_kl {max_mismatch_kl}, "
+                         f"max |logp difference| {gap['logp_abs_diff_max']:.3g}; raise --max_mismatch_kl to go on")
+    gap["corrected_sequence_share"] = gap.pop("corrected_sequences")
+    return {f"rollout/{name}": v for name, v in gap.items()}
+
+
 def kl_to_reference(samples):
     """train/kl: the k1 estimate of KL(policy || reference) per model token, from the log-probs before the update
     (when the step computed both)."""

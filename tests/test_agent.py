@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from common.episodes import episode_sample, load_env, run_episodes
+from common.rollout import make_batch
 from conftest import ROOT, load_algo, read_jsonl, run_script
 from test_grpo import grpo_args
 
@@ -80,7 +81,7 @@ def test_episode_tokens_line_up_with_what_the_engine_saw(assets, rl_start_model)
         model = [lp for ids, trainable, lps in e.segments[1:] if trainable for lp in lps]
         assert [lp for lp, t in zip(s["vllm_logps"], s["trainable"]) if t] == model
         s["advantages"] = torch.arange(len(s["response_ids"]), dtype=torch.float32).tolist()
-        batch = grpo.make_batch([s], 0, 256, False, ["vllm_logps", "advantages"])
+        batch = make_batch([s], 0, 256, False, ["vllm_logps", "advantages"])
         r, start, length = batch["spans"][0]
         mask = batch["loss_mask"][r, start + len(s["prompt_ids"]): start + length]
         assert mask.tolist() == [float(t) for t in s["trainable"]]
@@ -225,7 +226,7 @@ def test_multiturn_lookup_task_learns(assets, rl_start_model, tmp_path):
     # measured: held-out greedy success 0.013 -> 0.502 (200 prompts); sampled reward 0.067 -> 0.321 (first / last 4)
     assert evals[-1] - evals[0] >= 0.15, evals
     assert sum(rewards[-4:]) / 4 - sum(rewards[:4]) / 4 >= 0.1, rewards
-    assert max(m["check/vllm_logp_max_abs_diff"] for m in steps) <= 1e-4  # measured ~2e-5 on the model's tokens
+    assert max(m["rollout/logp_abs_diff_max"] for m in steps) <= 1e-4  # measured ~2e-5 on the model's tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -375,5 +376,5 @@ def test_episode_function_none_is_a_reject(assets, rl_start_model, tmp_path):
     for (given, s), sample in zip(gen.calls, samples):  # a rejected episode's sample: its model turn, no loss
         assert sample["prompt_ids"] == given and sample["response_ids"] == s.output_ids
         assert sample["trainable"] == [1] * len(s.output_ids) and sample["vllm_logps"] == s.logprobs
-        batch = grpo.make_batch([sample], 0, 256, False)
+        batch = make_batch([sample], 0, 256, False)
         assert batch["loss_mask"].sum().item() == (0 if sample["masked"] else len(s.output_ids))

@@ -95,7 +95,7 @@ def test_grpo_trainer_killed_mid_run(assets, rl_start_model, tmp_path):
             assert proc.poll() is None, (tmp_path / "grpo.log").read_text()[-3000:]
             time.sleep(1)
         trainers = [p for p in psutil.process_iter(["pid", "cmdline"])
-                    if "ray::PolicyTrainer" in " ".join(p.info["cmdline"] or []) and _tag_of(p) == tag]
+                    if "ray::TrainerRank" in " ".join(p.info["cmdline"] or []) and _tag_of(p) == tag]
         assert len(trainers) == 2, processes_of(tag)
         trainers[0].send_signal(signal.SIGKILL)
         killed = time.time()

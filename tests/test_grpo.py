@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from common.packing import token_logps
-from common.rollout import ActorTrainArgs
+from common.packing import token_logps, unpack
+from common.rollout import ActorTrainArgs, make_batch
 from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script
 
 grpo = load_algo("grpo")
@@ -211,6 +211,97 @@ def test_policy_loss_clip_clip_higher_dual_clip_by_hand():
 
 
 @pytest.mark.quick
+def test_gspo_and_cispo_losses_by_hand():
+    """GSPO: one ratio per sample, s = exp(mean of its token log-ratios), clipped; each token carries -min(sA, clip(s)A)
+    and a sample's token mean has the gradient of that sequence term. CISPO: -sg(clip(r)) A logp, so a clipped token
+    keeps the gradient -clip(r) A."""
+    logps = torch.tensor([-1.0, -2.0, -0.5, -1.0, -1.5, -0.7], requires_grad=True)
+    old = torch.tensor([-1.1, -2.3, 0.0, -1.05, -1.45, -0.79])
+    sample_index = torch.tensor([0, 0, 1, 2, 2, 2])
+    adv = torch.tensor([1.0, 1.0, -1.0, 2.0, 2.0, 2.0])
+    mask = torch.ones(6)
+    loss, clipped = grpo.gspo_loss(logps, old, adv, mask, sample_index, 3, 0.2, 0.2)
+    s = [math.exp(0.2), math.exp(-0.5), math.exp(0.03)]  # the samples' mean log-ratios: (0.1 + 0.3) / 2, -0.5, 0.03
+    # sample 0: s 1.2214 clipped to 1.2 (A > 0); sample 1: s 0.6065, clip 0.8, A < 0 -> 0.8; sample 2 unclipped
+    want = [-1.2, -1.2, 0.8, -2 * s[2], -2 * s[2], -2 * s[2]]
+    assert max(abs(a - b) for a, b in zip(loss.tolist(), want)) <= 1e-6, loss
+    assert clipped.tolist() == [1, 1, 1, 0, 0, 0]
+    per_sample_mean = loss[:2].mean() + loss[2:3].mean() + loss[3:].mean()
+    per_sample_mean.backward()
+    # only sample 2 is unclipped: d(-2 s)/d logp_t = -2 s / 3 per token
+    want_grad = [0, 0, 0] + [-2 * s[2] / 3] * 3
+    assert max(abs(a - b) for a, b in zip(logps.grad.tolist(), want_grad)) <= 1e-6, logps.grad
+
+    logps = torch.tensor([-1.0, -0.5], requires_grad=True)
+    loss, clipped = grpo.cispo_loss(logps, torch.tensor([-1.5, -0.55]), torch.tensor([1.0, -2.0]), 0.2, 0.2)
+    # token 0: r = e^0.5 = 1.649 -> weight 1.2: 1.2 x 1 x 1.0; token 1: r = e^0.05 = 1.051, unclipped
+    assert max(abs(a - b) for a, b in zip(loss.tolist(), [1.2 * 1.0, -math.exp(0.05) * 2.0 * 0.5])) <= 1e-6, loss
+    assert clipped.tolist() == [1, 0]
+    loss.sum().backward()
+    assert max(abs(a - b) for a, b in zip(logps.grad.tolist(), [-1.2, 2.0 * math.exp(0.05)])) <= 1e-6, logps.grad
+
+
+@pytest.mark.quick
+def test_rollout_correction_modes_by_hand():
+    """Weights of the trainer/vLLM ratio: truncated to the bounds (TIS), tokens outside masked (IcePop), samples whose
+    geometric-mean ratio leaves the bounds masked whole; none weighs 1."""
+    log_ratio = torch.tensor([1.0, -1.0, 0.1, 0.5, 0.6, 0.0])
+    sample_index = torch.tensor([0, 0, 0, 1, 1, -1])  # the last position is padding
+    mask = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0])
+    w, corrected, dropped = grpo.rollout_correction(log_ratio, mask, sample_index, 2, "token_truncate", (0.0, 2.0))
+    assert torch.allclose(w[:5], torch.tensor([2.0, math.exp(-1), math.exp(0.1), math.exp(0.5), math.exp(0.6)]))
+    assert corrected.tolist() == [1, 0, 0, 0, 0, 0] and dropped.sum() == 0
+    w, corrected, _ = grpo.rollout_correction(log_ratio, mask, sample_index, 2, "token_mask", (0.5, 2.0))
+    assert w.tolist()[:5] == [0, 0, 1, 1, 1] and corrected.tolist() == [1, 1, 0, 0, 0, 0]
+    # geometric means: sample 0 exp(0.1 / 3) = 1.034 kept; sample 1 exp(0.55) = 1.733 dropped by [0, 1.5]
+    w, corrected, dropped = grpo.rollout_correction(log_ratio, mask, sample_index, 2, "sequence_mask", (0.0, 1.5))
+    assert w.tolist()[:5] == [1, 1, 1, 0, 0] and dropped.tolist() == [0, 0, 0, 1, 1, 0]
+    w, corrected, dropped = grpo.rollout_correction(log_ratio, mask, sample_index, 2, "none", (0.0, 3.0))
+    assert w.tolist() == [1] * 6 and corrected.sum() == 0 and dropped.sum() == 0
+    args = grpo.Args()
+    assert args.rollout_correction == "sequence_mask" and grpo.correction_bounds(args) == (0.0, 3.0)
+    assert grpo.correction_bounds(dataclasses.replace(args, rollout_correction="token_mask")) == (0.5, 2.0)
+
+
+@pytest.mark.quick
+def test_mismatch_metrics_and_the_broken_sync_stop(assets):
+    """The step's gap from numbers micro_batch_loss already has: vLLM's log-probs 0.1 below the trainer's on every
+    token give mismatch KL e^0.1 - 1 - 0.1 (k3 of KL(vLLM || trainer)) and |difference| 0.1; past --max_mismatch_kl
+    the driver stops naming the step and the flag; an off-policy step logs none."""
+    from transformers import AutoModelForCausalLM
+
+    from common.rollout import mismatch_metrics
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m", dtype=torch.float32)
+    samples = [{"prompt_ids": [3, 20 + i, 21], "response_ids": [30 + (i * k) % 50 for k in range(2 + i)],
+                "advantages": torch.randn(2 + i).tolist()} for i in range(3)]
+    with torch.no_grad():
+        batch = make_batch(samples, 0, 64, False, ["advantages"])
+        logps, _ = token_logps(model, batch)
+    for s, t in zip(samples, unpack(logps, batch)):
+        s["old_logps"] = t[len(s["prompt_ids"]):].tolist()
+        s["vllm_logps"] = (t[len(s["prompt_ids"]):] - 0.1).tolist()
+    args = grpo.Args(rollout_correction="none")
+    with torch.no_grad():
+        _, metrics = grpo.micro_batch_loss(model, make_batch(samples, 0, 64, False,
+                                                             ["advantages", "vllm_logps", "old_logps"]), args)
+    tokens = sum(len(s["response_ids"]) for s in samples)
+    assert abs(metrics["mismatch_kl"] / tokens - (math.exp(0.1) - 1.1)) <= 1e-6, metrics
+    assert abs(metrics["logp_abs_diff_mean"] / tokens - 0.1) <= 1e-5 and abs(metrics["logp_abs_diff_max"] - 0.1) <= 1e-5
+    assert metrics["corrected_token_share"] == 0 and metrics["corrected_sequences"] == 0
+    healthy = {"mismatch_kl": 1e-4, "logp_abs_diff_mean": 0.01, "logp_abs_diff_max": 0.1,
+               "corrected_token_share": 0.0, "corrected_sequences": 0.25}
+    assert mismatch_metrics(dict(healthy), False, 3, 0.1) == {
+        "rollout/mismatch_kl": 1e-4, "rollout/logp_abs_diff_mean": 0.01, "rollout/logp_abs_diff_max": 0.1,
+        "rollout/corrected_token_share": 0.0, "rollout/corrected_sequence_share": 0.25}
+    assert mismatch_metrics(dict(healthy), True, 3, 0.1) == {}
+    with pytest.raises(ValueError, match=r"step 3: vLLM sampled from other weights than the trainer's \(a broken "
+                                         r"weight sync or model load\): mismatch KL 0.5 > --max_mismatch_kl 0.1"):
+        mismatch_metrics({**healthy, "mismatch_kl": 0.5}, False, 3, 0.1)
+
+
+@pytest.mark.quick
 def test_step_normalisers():
     assert grpo.step_normaliser("token", 37, 8, 64, 16) == 37
     assert grpo.step_normaliser("sequence", 37, 8, 64, 16) == 8
@@ -243,7 +334,7 @@ def test_step_loss_is_invariant_to_micro_batches_and_ranks(assets, estimator, lo
         model.zero_grad()
         total = 0.0
         for part in splits:
-            loss, _ = grpo.micro_batch_loss(model, grpo.make_batch(part, 0, 64, False, values), args)
+            loss, _ = grpo.micro_batch_loss(model, make_batch(part, 0, 64, False, values), args)
             loss = loss / normaliser
             loss.backward()
             total += loss.item()
@@ -272,19 +363,20 @@ def test_skipped_old_logprob_pass_equals_the_plain_path(assets):
     assert grpo.single_update(dataclasses.replace(base, init_kl_coef=0.1, use_kl_loss=True))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m", dtype=torch.float32)
-    args = dataclasses.replace(base, vllm_is_truncation=2.0, entropy_loss_coef=0.01, generate_max_len=16)
+    args = dataclasses.replace(base, rollout_correction="token_truncate", rollout_correction_bounds=(0.0, 2.0),
+                               entropy_loss_coef=0.01, generate_max_len=16)
     samples = [{"prompt_ids": [3, 20 + i, 21], "response_ids": [30 + (i * k) % 50 for k in range(2 + i)],
                 "advantages": torch.randn(2 + i).tolist(), "vllm_logps": (-torch.rand(2 + i) * 3).tolist()}
                for i in range(6)]
     with torch.no_grad():
-        batch = grpo.make_batch(samples, 0, 64, False, ["advantages", "vllm_logps"])
+        batch = make_batch(samples, 0, 64, False, ["advantages", "vllm_logps"])
         logps, _ = token_logps(model, batch)
-    for s, t in zip(samples, grpo.unpack(logps, batch)):
+    for s, t in zip(samples, unpack(logps, batch)):
         s["old_logps"] = t[len(s["prompt_ids"]):].tolist()
     results = []
     for values in (["advantages", "vllm_logps", "old_logps"], ["advantages", "vllm_logps"]):
         model.zero_grad()
-        loss, metrics = grpo.micro_batch_loss(model, grpo.make_batch(samples, 0, 64, False, values), args)
+        loss, metrics = grpo.micro_batch_loss(model, make_batch(samples, 0, 64, False, values), args)
         loss = loss / 30.0  # a step normaliser
         loss.backward()
         results.append((loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()]), metrics))
@@ -293,7 +385,7 @@ def test_skipped_old_logprob_pass_equals_the_plain_path(assets):
     assert (plain_grad - skip_grad).abs().max().item() <= 1e-6 * plain_grad.abs().max().item()
     for key in plain_metrics:
         assert abs(plain_metrics[key] - skip_metrics[key]) <= 1e-6, key
-    assert plain_metrics["vllm_logp_max_abs_diff"] > 0.1  # made-up vLLM log-probs: the check sees the gap
+    assert plain_metrics["logp_abs_diff_max"] > 0.1  # made-up vLLM log-probs: the check sees the gap
 
 
 @pytest.mark.quick
@@ -321,13 +413,13 @@ def test_shared_prompt_batch_equals_whole_samples(assets):
     results = []
     for share in (False, True):
         model.zero_grad()
-        batch = grpo.make_batch(samples, 0, 256, True, values, share_prompt=share)
+        batch = make_batch(samples, 0, 256, True, values, share_prompt=share)
         loss, metrics = grpo.micro_batch_loss(model, batch, args)
         loss = loss / 30.0  # a step normaliser
         loss.backward()
         with torch.no_grad():
             logps, _ = token_logps(model, batch)
-        per_response = [t[p:] for p, t in zip(batch["response_offsets"], grpo.unpack(logps, batch))]
+        per_response = [t[p:] for p, t in zip(batch["response_offsets"], unpack(logps, batch))]
         results.append((batch["input_ids"].numel(), loss.item(), metrics, per_response,
                         torch.cat([p.grad.flatten() for p in model.parameters()])))
     (whole_tokens, whole_loss, whole_metrics, whole_logps, whole_grad), (tokens, loss, metrics, logps, grad) = results
@@ -356,7 +448,7 @@ def grpo_args(assets, model, tmp, *extra, reward=REWARD):
 
 def check_vllm_matches_trainer(metrics, tolerance=1e-4):
     """After every sync vLLM's log-probs of the sampled tokens equal the trainer's (checked in the run)."""
-    diffs = [m["check/vllm_logp_max_abs_diff"] for m in metrics if "check/vllm_logp_max_abs_diff" in m]
+    diffs = [m["rollout/logp_abs_diff_max"] for m in metrics if "rollout/logp_abs_diff_max" in m]
     assert diffs and max(diffs) <= tolerance, diffs
 
 

@@ -127,7 +127,7 @@ def two_node_ray():
 def trainer_logs(temp_dir):
     """Worker logs on one node that belong to a grpo trainer rank."""
     return [f for f in glob.glob(f"{temp_dir}/session_latest/logs/worker-*.out")
-            if ":actor_name:PolicyTrainer" in open(f, errors="replace").read()]
+            if ":actor_name:TrainerRank" in open(f, errors="replace").read()]
 
 
 def test_grpo_trainer_group_across_two_ray_nodes_equals_one_node(assets, rl_start_model, tmp_path):

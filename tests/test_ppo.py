@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from common.rollout import token_sample
+from common.packing import collate, unpack
+from common.rollout import make_batch, token_sample
 from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script
 
 ppo = load_algo("ppo")
@@ -127,11 +128,11 @@ def test_critic_values_packed_padded_and_as_sequence_classification(assets, tmp_
     exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "critic", dtype=torch.float32).eval()
     samples = [{"prompt_ids": [3, 20 + i, 21], "response_ids": [30 + (i * k) % 50 for k in range(2 + i)]}
                for i in range(5)]
-    packed = ppo.make_batch(samples, 0, 64, False)
-    padded = ppo.collate([token_sample(s) for s in samples], 0, packing=False)
+    packed = make_batch(samples, 0, 64, False)
+    padded = collate([token_sample(s) for s in samples], 0, packing=False)
     with torch.no_grad():
-        vp = ppo.unpack(ppo.token_values(exported, packed), packed)
-        vq = ppo.unpack(ppo.token_values(exported, padded), padded)
+        vp = unpack(ppo.token_values(exported, packed), packed)
+        vq = unpack(ppo.token_values(exported, padded), padded)
         tolerance = 2e-5 * max(v.abs().max().item() for v in vp)
         assert max((a - b).abs().max().item() for a, b in zip(vp, vq)) <= tolerance
         for s, v in zip(samples, vp):
@@ -245,7 +246,7 @@ def test_ppo_learns_reversal_and_the_critic_explains_the_returns(run):
     # the critic learns to predict the returns (explained variance starts below 0: a fresh head)
     ev = [steps[s]["critic/explained_variance"] for s in sorted(steps)]
     assert sum(ev[-5:]) / 5 > 0.05 and sum(ev[-5:]) / 5 > ev[0], ev
-    diffs = [m["check/vllm_logp_max_abs_diff"] for m in steps.values()]
+    diffs = [m["rollout/logp_abs_diff_max"] for m in steps.values()]
     assert len(diffs) == 20 and max(diffs) <= 1e-4, diffs  # every step: the engines hold the actor's weights
     phases = ("generate", "reward", "logprobs_values", "critic_train", "train", "sync")
     assert all(steps[s][f"time/{p}"] > 0 for s in steps for p in phases)
@@ -265,9 +266,9 @@ def test_freezing_actor_steps_train_only_the_critic(run):
     for s in (1, 2):
         assert steps[s]["train/actor_frozen"] == 1.0 and "train/policy_loss" not in steps[s]
         assert steps[s]["critic/grad_norm"] > 0 and steps[s]["perf/sync_mb"] == 0
-    assert steps[1]["check/vllm_logp_max_abs_diff"] <= 1e-4 and steps[2]["check/vllm_logp_max_abs_diff"] <= 1e-4
+    assert steps[1]["rollout/logp_abs_diff_max"] <= 1e-4 and steps[2]["rollout/logp_abs_diff_max"] <= 1e-4
     assert steps[3]["train/actor_frozen"] == 0.0 and "train/policy_loss" in steps[3]
-    assert steps[3]["check/vllm_logp_max_abs_diff"] <= 1e-4 and steps[3]["perf/sync_mb"] > 0
+    assert steps[3]["rollout/logp_abs_diff_max"] <= 1e-4 and steps[3]["perf/sync_mb"] > 0
     # the critic moved: the values of step 1's samples and of step 2's differ by more than noise
     assert abs(steps[2]["critic/values"] - steps[1]["critic/values"]) > 1e-3
 
@@ -288,7 +289,7 @@ def test_resume_reproduces_actor_and_critic(run, assets, rl_start_model):
         assert resumed[s]["train/reward"] == steps[s]["train/reward"]
         for key in ("train/policy_loss", "critic/value_loss", "critic/explained_variance"):
             assert abs(resumed[s][key] - steps[s][key]) <= 1e-5, (s, key)
-    assert max(m["check/vllm_logp_max_abs_diff"] for m in resumed.values()) <= 1e-4  # engines got the resumed actor
+    assert max(m["rollout/logp_abs_diff_max"] for m in resumed.values()) <= 1e-4  # engines got the resumed actor
     assert max_weight_diff(tmp / "out", tmp / "resumed" / "out") <= 1e-5
     assert max_weight_diff(tmp / "out" / "critic", tmp / "resumed" / "out" / "critic") <= 1e-5
 
@@ -314,7 +315,7 @@ def test_colocated_lora_actor_with_reference_reward_model_and_ptx(assets, rl_sta
     proc = run_script("ppo.py", args, timeout=900)
     assert "a reward model: its score head is the value head" in proc.stdout
     steps = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if "train/reward" in m]
-    assert len(steps) == 4 and max(m["check/vllm_logp_max_abs_diff"] for m in steps) <= 1e-4
+    assert len(steps) == 4 and max(m["rollout/logp_abs_diff_max"] for m in steps) <= 1e-4
     assert abs(steps[0]["train/kl"]) < 1e-5 < abs(steps[-1]["train/kl"])  # the reference is the start policy
     assert steps[-1]["train/ptx_loss"] < steps[0]["train/ptx_loss"], [m["train/ptx_loss"] for m in steps]
     assert os.path.exists(tmp_path / "out" / "critic" / "config.json")
@@ -381,13 +382,14 @@ def test_ptx_loss_mixed_into_the_actor_step(assets):
     samples = [{"prompt_ids": [3, 20 + i, 21], "response_ids": [30 + (i * k) % 50 for k in range(2 + i)],
                 "advantages": torch.randn(2 + i).tolist(), "old_logps": (-torch.rand(2 + i) * 3).tolist(),
                 "vllm_logps": [0.0] * (2 + i)} for i in range(4)]
-    batch = ppo.make_batch(samples, 0, 64, False, ["advantages", "old_logps", "vllm_logps"])
-    pb = dict(ppo.collate(steps[0][0], 0, max_tokens=64), num_micro=1)  # as PolicyTrainer.train_steps builds it
+    batch = make_batch(samples, 0, 64, False, ["advantages", "old_logps", "vllm_logps"])
+    pb = collate(steps[0][0], 0, max_tokens=64)  # as TrainerRank.train builds it
 
     def step(args, ptx):  # the step's loss as backward_step makes it: the sum / 20 + coef x the LM loss
         model.zero_grad()
-        loss_sum, lm, _ = ppo.micro_batch_loss(model, batch, args, **({"ptx_batch": ptx} if ptx else {}))
-        loss = loss_sum / 20.0 + (args.ptx_coef * lm if lm is not None else 0.0)
+        loss_sum, _ = ppo.micro_batch_loss(model, batch, args)
+        term, lm = ppo.ptx_term(model, ptx, args) if ptx else (0.0, None)
+        loss = loss_sum / 20.0 + term
         loss.backward()
         return loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()]), lm
 
@@ -396,7 +398,7 @@ def test_ptx_loss_mixed_into_the_actor_step(assets):
     assert no_lm is None and zero_loss == plain_loss and torch.equal(zero_grad, plain_grad)
     with torch.no_grad():
         lm = ppo.ptx_loss(model, pb).item()
-    assert zero_lm.item() == pytest.approx(lm, rel=1e-6) and lm > 1.0
+    assert zero_lm["ptx_loss"] == pytest.approx(lm, rel=1e-6) and lm > 1.0
     mixed_loss, mixed_grad, _ = step(dataclasses.replace(base, ptx_coef=0.5), pb)
     assert mixed_loss == pytest.approx(plain_loss + 0.5 * lm, abs=1e-5)
     assert (mixed_grad - plain_grad).abs().max().item() > 1e-4

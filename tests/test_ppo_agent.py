@@ -44,7 +44,7 @@ def test_multiturn_episodes_train_on_the_models_tokens(sync_run):
     for m in steps:
         # the loss mask is the model's tokens: there the trainer's log-probs before the update are vLLM's; the
         # environment's tokens (vLLM log-prob 0 in the sample) would differ by whole nats
-        assert m["check/vllm_logp_max_abs_diff"] <= 1e-4, m["check/vllm_logp_max_abs_diff"]
+        assert m["rollout/logp_abs_diff_max"] <= 1e-4, m["rollout/logp_abs_diff_max"]
         # the model's own tokens per episode are fewer than the episode's response (the environment's turns)
         assert m["train/response_length"] < m["train/episode_length"] - 20
         assert -10 < m["critic/explained_variance"] <= 1 and m["train/advantage_abs"] > 0
@@ -70,7 +70,7 @@ def test_async_staleness_zero_with_an_episode_function_is_the_synchronous_env_ru
         assert a["async/staleness"] == 0 and a["async/policy_version"] == s["step"] - 1
         for key in ("train/reward", "train/episode_length", "train/episode_turns", "train/episode_forks",
                     "train/policy_loss", "train/grad_norm", "critic/value_loss", "critic/explained_variance",
-                    "check/vllm_logp_max_abs_diff"):
+                    "rollout/logp_abs_diff_max"):
             assert a[key] == s[key], (key, s["step"], s[key], a[key])
     assert max_weight_diff(sync_tmp / "out", tmp_path / "out") == 0.0
     assert max_weight_diff(sync_tmp / "out" / "critic", tmp_path / "out" / "critic") == 0.0
@@ -88,7 +88,7 @@ def test_one_step_off_policy_learns(assets, rl_start_model, tmp_path):
     # step 1 trains on the start weights' samples; every later step on samples of the weights one update old
     assert [m["async/policy_version"] for m in steps] == [0] + list(range(15))
     assert [m["async/staleness"] for m in steps] == [0] + [1] * 15
-    assert all("check/vllm_logp_max_abs_diff" not in m for m in steps)  # old policy = vLLM's: nothing to check
+    assert all("rollout/logp_abs_diff_max" not in m for m in steps)  # old policy = vLLM's: nothing to check
     rewards = [m["train/reward"] for m in steps]
     evals = [m["eval/pass@1"] for m in metrics if "eval/pass@1" in m]
     ev = [m["critic/explained_variance"] for m in steps]

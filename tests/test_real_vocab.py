@@ -85,7 +85,7 @@ def test_grpo_at_real_vocab(real_vocab, tmp_path):
     assert len(metrics) == 2
     assert abs(metrics[0]["train/entropy"] - LN_VOCAB) < 0.05, metrics[0]
     assert all(0 < m["train/reward"] < 1 and m["train/grad_norm"] > 0 for m in metrics), metrics
-    assert max(m["check/vllm_logp_max_abs_diff"] for m in metrics) <= 1e-4, metrics
+    assert max(m["rollout/logp_abs_diff_max"] for m in metrics) <= 1e-4, metrics
     state = AutoModelForCausalLM.from_pretrained(model_path).state_dict()
     sync_bytes = sum(t.numel() * t.element_size() for t in state.values())
     assert all(abs(m["perf/sync_mb"] - sync_bytes / 2**20) < 1e-6 for m in metrics), (metrics, sync_bytes)

@@ -267,7 +267,7 @@ def test_rl_trainers_with_a_ring_of_two_equal_one_rank(assets, rl_start_model, t
     worst = {k: abs(ring[k] - one[k]) / max(abs(one[k]), 1.0) for k in RL_KEYS[script]}
     print(f"\n{script} ring vs one rank, |diff| / max(1, |value|):", worst)
     assert all(v <= 1e-5 for v in worst.values()), worst
-    assert ring["check/vllm_logp_max_abs_diff"] <= 1e-4  # the ring's log-probs of the samples are vLLM's
+    assert ring["rollout/logp_abs_diff_max"] <= 1e-4  # the ring's log-probs of the samples are vLLM's
     assert ring["train/reward_std"] > 0  # the advantages carry a signal
     # (the weights after the step are not compared: Adam's first step turns rounding noise on near-zero gradients
     # into lr-sized differences, 6e-5 at lr 1e-3 in one grpo run; the gradient norms above are the check)

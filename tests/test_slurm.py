@@ -114,7 +114,7 @@ def test_ray_template_trains(slurm, sft_job, tmp_path):
     assert "Ray cluster stopped; exit code 0" in log
     steps = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if "train/reward" in m]
     assert len(steps) == 2 and all(0 < m["train/reward"] < 1 for m in steps), steps  # groups that carry a signal
-    assert all(m["check/vllm_logp_max_abs_diff"] <= 1e-4 for m in steps)
+    assert all(m["rollout/logp_abs_diff_max"] <= 1e-4 for m in steps)
     assert max_weight_diff(start_model, tmp_path / "model") > 0  # the policy moved and was saved
     assert not ray_processes(job)  # the cluster is gone with the job
     print(f"ray.sbatch grpo job: {seconds:.0f} s, rewards {[round(m['train/reward'], 3) for m in steps]}")

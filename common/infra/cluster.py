@@ -1,8 +1,8 @@
 """Trust tier: read the faces, trust the body.
 
 The Ray side of the RL drivers (grpo.py, ppo.py): the checks of the flags they share, prompts and the step count,
-Ray start-up and placement, trainer groups and their rendezvous, vLLM engines and reward-model actors, the reward
-function, weight sync to the engines, and the engines' share of a rollout's prompts.
+Ray start-up and placement, vLLM engines and reward-model actors, the reward function, and the engines' share of a
+rollout's prompts (the trainer ranks: common.infra.trainer_actor).
 """
 
 import math
@@ -16,7 +16,7 @@ import torch
 from common.data import BadRow, format_prompt, reward_model_ids, validate_prompt_args
 from common.episodes import episode_tokens, load_env, validate_agent_args
 from common.infra.datasets import load_one
-from common.infra.engine import ModelArgs, free_port, init_distributed, set_seed, uses_bf16
+from common.infra.engine import ModelArgs, uses_bf16
 from common.infra.gpu import check_colocation, check_weight_sync_model
 from common.infra.vllm_engine import resolve_max_model_len
 
@@ -290,37 +290,6 @@ def reference_args(args):
                      load_in_4bit=args.model.load_in_4bit)
 
 
-def rendezvous_address():
-    """This node's address and a free port, for a trainer group's rendezvous (asked of its rank 0)."""
-    import ray
-
-    return ray.util.get_node_ip_address(), free_port("")
-
-
-def join_group(rank, world, master_addr, master_port, timeout_s, seed, ranks_per_node):
-    """Join a trainer group as `rank` (bounded by timeout_s); on CPU take cores / ranks_per_node threads (Ray
-    gives an actor num_cpus threads, 1)."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
-                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-    init_distributed(timeout_s=timeout_s)
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // ranks_per_node))
-    set_seed(seed)
-
-
-def weight_sync(args, rank, engines):
-    """The actor rank's side of the weight sync into the vLLM engines (rank 0 sends; the others take part in
-    the gathers)."""
-    import ray
-
-    from common.infra.weight_sync import WeightSync
-
-    return WeightSync(engines if rank == 0 else [], colocated=args.cluster.colocate_all_models,
-                      tp_size=args.engine.tp_size, host=ray.util.get_node_ip_address(),
-                      timeout_s=args.cluster.rendezvous_timeout,
-                      dtype=torch.bfloat16 if uses_bf16(args.train) else None)
-
-
 def start_engines(args, roles, cpus, gpus, at=None):
     """The --vllm_num_engines engine actors (each --vllm_tensor_parallel_size devices; colocated with `at`: engine
     i in trainer rank i x tp size's bundle), added to `roles`."""
@@ -344,14 +313,6 @@ def start_reward_models(args, roles, cpus, gpus, strategy=None):
     return roles.add("reward models", actor_class(RewardModels).options(
         num_cpus=cpus, num_gpus=gpus, **({"scheduling_strategy": strategy} if strategy else {})).remote(
         [p for p in args.reward_pretrain.split(",") if p], args.normalize_reward, args.apply_chat_template))
-
-
-def start_group(roles, members, *setup_args):
-    """Start every member's setup(addr, port, *setup_args), rendezvous at rank 0; returns the refs to wait on."""
-    if not members:
-        return []
-    addr, port = roles.get(members[0].address.remote())
-    return [m.setup.remote(addr, port, *setup_args) for m in members]
 
 
 class RewardModels:

@@ -584,7 +584,7 @@ class World:
 
 def setup(ring_args, seed) -> World:
     """Join the torchrun group (a plain `python` run is a world of one; a rank already in a group, such as a Ray
-    trainer rank after join_group, stays in it), build the attention rings of `ring_args` (a
+    trainer rank after its rendezvous, stays in it), build the attention rings of `ring_args` (a
     common.ring_attention.RingArgs) and seed every generator."""
     init_distributed()
     ring = None
