@@ -87,7 +87,7 @@ class Args:
     reward_func: Optional[str] = None
     """A Python file defining reward_func(queries, prompts, labels) -> one float per query (added to RM rewards)."""
     remote_rm_url: Optional[str] = None
-    """A reward server's URL (python launch/reward_server.py) or a .py reward file, instead of --reward_func;
+    """A reward server's URL (python -m launch.reward_server) or a .py reward file, instead of --reward_func;
     queries are sent as prompt text + response."""
     remote_rm_token: Optional[str] = None
     """Bearer token of the --remote_rm_url server (default: $MINRLHF_REWARD_TOKEN, which keeps it out of `ps`)."""

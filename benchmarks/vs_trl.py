@@ -2,8 +2,8 @@
 SFTTrainer (packing=bfd), DPOTrainer and GRPOTrainer, same model, same data, same shapes, one trainer
 process each, the two sides alternating round by round so that other load slows both alike.
 
-    python benchmarks/vs_trl.py --model assets/llama-10m             # TRL goes to --trl_dir, not .venv
-    python benchmarks/vs_trl.py --model_shape smollm2-135m --algos sft,dpo   # a published model's shape
+    python -m benchmarks.vs_trl --model assets/llama-10m             # TRL goes to --trl_dir, not .venv
+    python -m benchmarks.vs_trl --model_shape smollm2-135m --algos sft,dpo   # a published model's shape
 
 --model_shape builds a model of a published shape (random init) with a tokenizer of its vocabulary size (the
 tiny BPE filled up with unused tokens, launch/tiny.py's build_tokenizer), once, into the temp folder, and trains
@@ -61,7 +61,6 @@ from typing import Literal, Optional
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 TRL_VERSION = "1.16.0"
 

@@ -114,7 +114,7 @@ class RLArgs:
     # -- rewards
     remote_rm_url: Optional[str] = None
     """Rule-based or remote reward: a .py file defining reward_func(queries, prompts, labels), or an HTTP URL
-    served by `python launch/reward_server.py`."""
+    served by `python -m launch.reward_server`."""
     remote_rm_token: Optional[str] = None
     """Bearer token for an HTTP --remote_rm_url (default: $MINRLHF_REWARD_TOKEN)."""
     reward_pretrain: Optional[str] = None
