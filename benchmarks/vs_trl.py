@@ -253,10 +253,10 @@ def read_rows(path, n):
 
 def token_counter(args):
     """Token counts of a chat-templated prompt, and of a response to it, as our scripts tokenize them."""
-    from common.data import DataArgs, format_prompt, format_response
+    from common.data import PromptArgs, format_prompt, format_response
     from common.infra.datasets import load_tokenizer
 
-    data_args = DataArgs(dataset="unused", apply_chat_template=True)
+    data_args = PromptArgs(apply_chat_template=True)
     tok = load_tokenizer(args.model, data_args)
 
     def count(text):

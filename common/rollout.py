@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import torch
 import tyro
 
-from common.data import format_response
+from common.data import PromptArgs, format_response
 from common.episodes import AgentArgs, Episode, episode_sample, run_episodes
 from common.infra.cluster import ClusterArgs, generate
 from common.infra.engine import CkptArgs, ModelArgs, TrainArgs
@@ -71,9 +71,9 @@ class ActorTrainArgs(TrainArgs):
 
 
 @dataclass
-class RLArgs:
-    """The flags of grpo.py and ppo.py that mean the same in both: prompts, evaluation, rewards, rollouts (each
-    script's Args derives from it, so they read as its own fields)."""
+class RLArgs(PromptArgs):
+    """The flags of grpo.py and ppo.py that mean the same in both: prompts (the prompt flags of PromptArgs and
+    these), evaluation, rewards, rollouts (each script's Args derives from it, so they read as its own fields)."""
 
     model: ModelArgs = field(default_factory=ModelArgs)
     train: ActorTrainArgs = field(default_factory=ActorTrainArgs)
@@ -89,16 +89,8 @@ class RLArgs:
     """Prompt dataset (any spec common/data.py loads: file, folder, type@dir, hub name)."""
     prompt_split: str = "train"
     """Split of --prompt_data."""
-    input_key: str = "input"
-    """Field holding the prompt (a string, or a list of chat messages)."""
     label_key: Optional[str] = None
     """Field holding the reference answer passed to the reward function (required in every row when set)."""
-    apply_chat_template: bool = False
-    """Format prompts with the tokenizer's chat template."""
-    input_template: Optional[str] = None
-    """Plain prompt template with one '{}' for the prompt (no chat template)."""
-    tokenizer_chat_template: Optional[str] = None
-    """A Jinja chat template that replaces the tokenizer's own."""
     max_samples: int = 100_000_000
     """Use at most this many prompts."""
     skip_bad_rows: bool = False

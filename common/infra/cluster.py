@@ -99,7 +99,7 @@ def validate_rollout_args(args, world, script):
     if overlap.async_train and args.cluster.vllm_enable_sleep:
         raise ValueError("--async_train generates while the trainer updates: the engines cannot sleep "
                          "(drop --vllm_enable_sleep)")
-    validate_prompt_args(args.input_template, args.apply_chat_template)
+    validate_prompt_args(args)
 
 
 def model_len_needed(args):
