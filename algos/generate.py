@@ -28,9 +28,9 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # algos/.. (README: Forking)
 if importlib.util.find_spec("common") is None:
     sys.exit(f"error: {__file__} cannot import common/: run it with PYTHONPATH=<the minrlhf checkout>")
-from common.data import PromptArgs, format_prompt, format_response, reward_model_ids, validate_prompt_args  # noqa: E402
+from common.data import PromptArgs, format_prompt, format_response, reward_model_ids  # noqa: E402
 from common.infra.datasets import load_one, load_tokenizer# noqa: E402
-from common.infra.engine import device, run, parse_cli  # noqa: E402
+from common.infra.engine import device, run, parse_cli, validate_prompt_args  # noqa: E402
 from common.infra.remote_reward import make_reward_fn  # noqa: E402
 from common.infra.tracking import progress  # noqa: E402
 from common.infra.vllm_engine import (  # noqa: E402

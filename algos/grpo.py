@@ -53,7 +53,7 @@ if importlib.util.find_spec("common") is None:
     sys.exit(f"error: {__file__} cannot import common/: run it with PYTHONPATH=<the minrlhf checkout>")
 from common.infra.datasets import load_tokenizer  # noqa: E402
 from common.infra.cluster import (  # noqa: E402
-    environment, join_group, load_prompts, off_policy, reference_args, rendezvous_address, reward_function,
+    environment, join_group, reference_args, rendezvous_address, reward_function,
     resolve_rollout_args, rollout_steps, start_engines, start_group, start_ray, start_reward_models, trainer_bundles,
     validate_rollout_args, weight_sync,
 )
@@ -65,8 +65,8 @@ from common.infra.engine import (  # noqa: E402
 from common.packing import to_device, unpack  # noqa: E402
 from common.ring_attention import ring_model_args, ring_token_logps, validate_ring_args  # noqa: E402
 from common.rollout import (  # noqa: E402
-    RLArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
-    model_tokens, rollout_metrics, rollout_samples, split_steps, token_sample,
+    RLArgs, collect_rollout, evaluate, kl_to_reference, load_prompts, make_batch,
+    model_tokens, off_policy, rollout_metrics, rollout_samples, split_steps, token_sample,
 )
 from common.infra.tracking import MetricsLogger, eval_due, progress  # noqa: E402
 

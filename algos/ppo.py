@@ -45,7 +45,7 @@ if importlib.util.find_spec("common") is None:
     sys.exit(f"error: {__file__} cannot import common/: run it with PYTHONPATH=<the minrlhf checkout>")
 from common.infra.datasets import load_one, load_tokenizer  # noqa: E402
 from common.infra.cluster import (  # noqa: E402
-    environment, join_group, load_prompts, off_policy, reference_args, rendezvous_address, reward_function,
+    environment, join_group, reference_args, rendezvous_address, reward_function,
     resolve_rollout_args, rollout_steps, start_engines, start_group, start_ray, start_reward_models, trainer_bundles,
     validate_rollout_args, weight_sync,
 )
@@ -60,8 +60,8 @@ from common.ring_attention import (  # noqa: E402
     ring_forward, ring_model_args, ring_next_token_values, ring_token_logps, validate_ring_args,
 )
 from common.rollout import (  # noqa: E402
-    RLArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
-    model_tokens, prompt_at, rollout_metrics, rollout_samples, split_steps,
+    RLArgs, collect_rollout, evaluate, kl_to_reference, load_prompts, make_batch,
+    model_tokens, off_policy, prompt_at, rollout_metrics, rollout_samples, split_steps,
 )
 from common.infra.tracking import MetricsLogger, eval_due, progress  # noqa: E402
 
