@@ -46,12 +46,12 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # algos/.. (README: Forking)
 if importlib.util.find_spec("common") is None:
     sys.exit(f"error: {__file__} cannot import common/: run it with PYTHONPATH=<the minrlhf checkout>")
-from common.data import BadRow, DataArgs, format_prompt, format_response, get_field, validate_data_args  # noqa: E402
+from common.data import BadRow, DataArgs, format_prompt, format_response, get_field  # noqa: E402
 from common.infra.datasets import load_tokenizer, prepare_dataset, rank0_first, tokenization_cache_key  # noqa: E402
 from common.infra.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, device, frozen_engine, is_rank0, maybe_save,
     parse_cli, resume, run, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args,
-    world_size_from_env,
+    validate_data_args, world_size_from_env,
 )
 from common.packing import collate, per_sample_sum, sharded_logps, to_device  # noqa: E402
 from common.ring_attention import RingArgs, ring_model_args, ring_response_logps, validate_ring_args  # noqa: E402

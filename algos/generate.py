@@ -28,9 +28,9 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # algos/.. (README: Forking)
 if importlib.util.find_spec("common") is None:
     sys.exit(f"error: {__file__} cannot import common/: run it with PYTHONPATH=<the minrlhf checkout>")
-from common.data import DataArgs, format_prompt, format_response, reward_model_ids, validate_prompt_args  # noqa: E402
+from common.data import PromptArgs, format_prompt, format_response, reward_model_ids  # noqa: E402
 from common.infra.datasets import load_one, load_tokenizer# noqa: E402
-from common.infra.engine import device, run, parse_cli  # noqa: E402
+from common.infra.engine import device, run, parse_cli, validate_prompt_args  # noqa: E402
 from common.infra.remote_reward import make_reward_fn  # noqa: E402
 from common.infra.tracking import progress  # noqa: E402
 from common.infra.vllm_engine import (  # noqa: E402
@@ -40,7 +40,7 @@ from common.infra.vllm_engine import (  # noqa: E402
 
 
 @dataclass
-class Args:
+class Args(PromptArgs):  # + the prompt flags every script shares (common/data.py)
     pretrain: str = tyro.MISSING
     """Model to generate with (a Hugging Face directory)."""
     dataset: str = tyro.MISSING
@@ -49,16 +49,8 @@ class Args:
     """JSONL file of generations; an existing file is resumed, not overwritten."""
     dataset_split: str = "train"
     """Split of --dataset."""
-    input_key: str = "input"
-    """Field holding the prompt (a string, or a list of chat messages)."""
     label_key: Optional[str] = None
     """Field holding a reference answer, passed to the reward function and kept in the output."""
-    apply_chat_template: bool = False
-    """Format prompts with the tokenizer's chat template."""
-    input_template: Optional[str] = None
-    """Plain prompt template with one '{}' for the prompt (no chat template)."""
-    tokenizer_chat_template: Optional[str] = None
-    """A Jinja chat template that replaces the tokenizer's own."""
     max_samples: int = 100_000_000
     """Use at most this many prompts."""
     iter: Optional[int] = None
@@ -87,7 +79,7 @@ class Args:
     reward_func: Optional[str] = None
     """A Python file defining reward_func(queries, prompts, labels) -> one float per query (added to RM rewards)."""
     remote_rm_url: Optional[str] = None
-    """A reward server's URL (python launch/reward_server.py) or a .py reward file, instead of --reward_func;
+    """A reward server's URL (python -m launch.reward_server) or a .py reward file, instead of --reward_func;
     queries are sent as prompt text + response."""
     remote_rm_token: Optional[str] = None
     """Bearer token of the --remote_rm_url server (default: $MINRLHF_REWARD_TOKEN, which keeps it out of `ps`)."""
@@ -120,7 +112,7 @@ def parse_args(argv=None):
     if args.reward_func or args.remote_rm_url:  # fail now, not after generating: an empty batch loads the file
         make_reward_fn(args.reward_func or args.remote_rm_url, args.remote_rm_token,  # or asks the server
                        flag="--reward_func" if args.reward_func else "--remote_rm_url")([], [], [])
-    validate_prompt_args(args.input_template, args.apply_chat_template)
+    validate_prompt_args(args)
     if args.engine.max_model_len is not None:  # more than the model allows fails now, not in vLLM
         resolve_max_model_len(args.pretrain, args.engine.max_model_len, args.engine.max_model_len)
     if args.processed_path is None and args.post_processor != "none":
@@ -131,7 +123,7 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------------------------
 # Prompts, resume
 # ----------------------------------------------------------------------------------------------
-def load_prompts(args, tokenizer, data_args):
+def load_prompts(args, tokenizer):
     raw = load_one(args.dataset, args.dataset_split)
     indices = range(min(len(raw), args.max_samples))
     if args.iter is not None:
@@ -146,7 +138,7 @@ def load_prompts(args, tokenizer, data_args):
             raise ValueError(f"{args.dataset}: row {i}: missing or empty field {args.input_key!r}")
         if args.label_key and args.label_key not in row:
             raise ValueError(f"{args.dataset}: row {i}: missing field {args.label_key!r} (--label_key)")
-        text = format_prompt(row[args.input_key], tokenizer, data_args)
+        text = format_prompt(row[args.input_key], tokenizer, args)
         prompts.append({"index": i, "prompt": row[args.input_key], "prompt_text": text,
                         "prompt_ids": tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"],
                         "label": row[args.label_key] if args.label_key else None})
@@ -173,14 +165,14 @@ def read_done(path):
 # ----------------------------------------------------------------------------------------------
 # Rewards
 # ----------------------------------------------------------------------------------------------
-def compute_rewards(args, chunk, responses, reward_models, rm_tokenizer, data_args, reward_fn):
+def compute_rewards(args, chunk, responses, reward_models, rm_tokenizer, reward_fn):
     """One float per response: the sum of the reward models' scores and the reward function's."""
     prompts = [p["prompt_text"] for p in chunk for _ in range(args.best_of_n)]
     total = torch.zeros(len(prompts))
     if reward_models:  # the RM reads the ids rm.py trained it on: templated prompt + templated response
         from common.infra.reward import score
 
-        pairs = [(p["prompt_text"], format_response(p["prompt"], r, rm_tokenizer, data_args))
+        pairs = [(p["prompt_text"], format_response(p["prompt"], r, rm_tokenizer, args))
                  for p, rs in zip(chunk, responses) for r in rs]
         ids = [reward_model_ids(rm_tokenizer, *pair, args.apply_chat_template) for pair in pairs]
         total += score(reward_models, ids, normalize=args.normalize_reward)
@@ -226,12 +218,10 @@ def post_process(args, rows):
 # Main
 # ----------------------------------------------------------------------------------------------
 def main(args: Args):
-    data_args = DataArgs(dataset=args.dataset, input_key=args.input_key, apply_chat_template=args.apply_chat_template,
-                         input_template=args.input_template, tokenizer_chat_template=args.tokenizer_chat_template)
-    tokenizer = load_tokenizer(args.pretrain, data_args)
+    tokenizer = load_tokenizer(args.pretrain, args)
     sampling = SamplingArgs(n=args.best_of_n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_new_tokens=args.max_new_tokens, seed=args.engine.seed)
-    prompts = load_prompts(args, tokenizer, data_args)
+    prompts = load_prompts(args, tokenizer)
     done = {row["index"] for row in read_done(args.output_path)}
     todo = [p for p in prompts if p["index"] not in done]
     print(f"{len(prompts)} prompts, {len(prompts) - len(todo)} already in {args.output_path}, {len(todo)} to generate")
@@ -267,7 +257,7 @@ def main(args: Args):
     for chunk in progress(chunks, desc="generate"):
         samples = generate([p["prompt_ids"] for p in chunk])
         responses = [[s.text for s in per_prompt] for per_prompt in samples]
-        rewards = (compute_rewards(args, chunk, responses, reward_models, rm_tokenizer, data_args, reward_fn)
+        rewards = (compute_rewards(args, chunk, responses, reward_models, rm_tokenizer, reward_fn)
                    if reward_models or reward_fn else [[None] * args.best_of_n for _ in chunk])
         with open(args.output_path, "a") as f:
             for p, per_prompt, resp, rew in zip(chunk, samples, responses, rewards):

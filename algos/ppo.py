@@ -45,8 +45,8 @@ if importlib.util.find_spec("common") is None:
     sys.exit(f"error: {__file__} cannot import common/: run it with PYTHONPATH=<the minrlhf checkout>")
 from common.infra.datasets import load_one, load_tokenizer  # noqa: E402
 from common.infra.cluster import (  # noqa: E402
-    environment, load_prompts, off_policy, reference_args, reward_function, resolve_rollout_args, rollout_steps,
-    start_engines, start_ray, start_reward_models, trainer_bundles, validate_rollout_args,
+    environment, reference_args, reward_function, resolve_rollout_args, rollout_steps, start_engines, start_ray,
+    start_reward_models, trainer_bundles, validate_rollout_args,
 )
 from common.infra.roles import RoleFailed, Roles  # noqa: E402
 from common.infra.engine import (  # noqa: E402
@@ -58,8 +58,8 @@ from common.ring_attention import (  # noqa: E402
     ring_forward, ring_model_args, ring_next_token_values, ring_token_logps, validate_ring_args,
 )
 from common.rollout import (  # noqa: E402
-    RLArgs, collect_rollout, evaluate, kl_to_reference, mismatch_metrics, model_tokens, prompt_at, rollout_metrics,
-    rollout_samples, split_steps,
+    RLArgs, collect_rollout, evaluate, kl_to_reference, load_prompts, mismatch_metrics, model_tokens, off_policy,
+    prompt_at, rollout_metrics, rollout_samples, split_steps,
 )
 from common.infra.tracking import MetricsLogger, eval_due, progress  # noqa: E402
 

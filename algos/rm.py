@@ -37,12 +37,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 if importlib.util.find_spec("common") is None:
     sys.exit(f"error: {__file__} cannot import common/: run it with PYTHONPATH=<the minrlhf checkout>")
 from common.data import (  # noqa: E402
-    BadRow, DataArgs, format_prompt, format_response, get_field, reward_model_ids, validate_data_args,
+    BadRow, DataArgs, format_prompt, format_response, get_field, reward_model_ids,
 )
 from common.infra.datasets import load_tokenizer, prepare_dataset, rank0_first, tokenization_cache_key  # noqa: E402
 from common.infra.engine import (  # noqa: E402
     CkptArgs, ModelArgs, TrainArgs, all_reduce_sum, backward_step, device, is_rank0, maybe_save, parse_cli, resume,
-    run, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args, world_size_from_env,
+    run, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args, validate_data_args,
+    world_size_from_env,
 )
 from common.packing import collate, to_device, unwrap  # noqa: E402
 from common.infra.reward import lockstep_forwards  # noqa: E402

@@ -2,7 +2,7 @@
 (one fused call per group of samples of one length) against blocks (all samples in equal padded blocks,
 one masked call), and the plan `batch_plan` picks, on the batch shapes of benchmarks/vs_trl.py.
 
-    python benchmarks/bench_attention.py --model assets/llama-10m
+    python -m benchmarks.bench_attention --model assets/llama-10m
 
 Prints the median milliseconds of a forward + backward of a packed micro-batch (synthetic tokens, bf16
 autocast where the CPU multiplies bf16 natively) per plan, the three alternating batch by batch so that
@@ -12,20 +12,17 @@ branches), 64 SFT samples of 10-35 tokens, and the same with a long tail (1 in 2
 CALL_COST_IN_SCORES, which `batch_plan` weighs the plans by, was set from these figures.
 """
 
-import os
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 import tyro
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.kernels import varlen_attention  # noqa: E402
-from common.infra.engine import cpu_has_native_bf16  # noqa: E402
-from common.packing import collate, response_logps  # noqa: E402
+from common.kernels import varlen_attention
+from common.infra.engine import cpu_has_native_bf16
+from common.packing import collate, response_logps
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Distillation throughput benchmark: cached teacher logits vs a live teacher forward, same data, same
 student, same loss.
 
-    TOKENIZERS_PARALLELISM=false python benchmarks/bench_distill.py --student assets/llama-0.5m \\
+    TOKENIZERS_PARALLELISM=false python -m benchmarks.bench_distill --student assets/llama-0.5m \\
         --teacher assets/llama-10m --teacher_top_k 16
 
 Synthesises prompt/response token sequences with a long-tailed (lognormal) length distribution (loss on
@@ -27,10 +27,10 @@ from dataclasses import dataclass, replace
 import torch
 import tyro
 
+from common.data import DataArgs
+from common.packing import collate, to_device
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from common.data import DataArgs# noqa: E402
-from common.packing import collate, to_device  # noqa: E402
 
 
 def load_distill():

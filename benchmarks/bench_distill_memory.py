@@ -8,7 +8,7 @@ made by one matmul, as a model's own head makes them. Each configuration runs in
 carry over: peak RSS (ru_maxrss) on CPU, torch.cuda.max_memory_allocated on CUDA, beside the memory held before the
 step (weights and hidden states).
 
-    python benchmarks/bench_distill_memory.py --tokens 512,1024 --chunks 0,256
+    python -m benchmarks.bench_distill_memory --tokens 512,1024 --chunks 0,256
 """
 
 import argparse
@@ -20,7 +20,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 HIDDEN, VOCAB = 896, 151936
 
 
@@ -85,9 +84,9 @@ def main():
     print(f"{'tokens':>7} {'chunk':>6} {'before GiB':>11} {'peak GiB':>9} {'added GiB':>10} {'seconds':>8}")
     for tokens in map(int, args.tokens.split(",")):
         for chunk in map(int, args.chunks.split(",")):
-            out = subprocess.run([sys.executable, __file__, "--one", f"{tokens},{chunk}", "--divergence",
-                                  args.divergence, "--teacher_top_k", str(args.teacher_top_k)],
-                                 capture_output=True, text=True, check=True)
+            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_distill_memory", "--one", f"{tokens},{chunk}",
+                                  "--divergence", args.divergence, "--teacher_top_k", str(args.teacher_top_k)],
+                                 cwd=ROOT, capture_output=True, text=True, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"{tokens:>7} {chunk or 'whole':>6} {r['before']:>11.2f} {r['peak']:>9.2f} "
                   f"{r['peak'] - r['before']:>10.2f} {r['seconds']:>8.1f}", flush=True)

@@ -2,8 +2,8 @@
 one pass before training) against a plain padded implementation of the same loss (separate padded
 forwards, live reference), same model, same data, same optimizer steps.
 
-    TOKENIZERS_PARALLELISM=false python benchmarks/bench_dpo.py --algo dpo --model assets/llama-10m
-    TOKENIZERS_PARALLELISM=false python benchmarks/bench_dpo.py --algo kto --model assets/llama-10m
+    TOKENIZERS_PARALLELISM=false python -m benchmarks.bench_dpo --algo dpo --model assets/llama-10m
+    TOKENIZERS_PARALLELISM=false python -m benchmarks.bench_dpo --algo kto --model assets/llama-10m
 
 Synthesises prompts and responses with long-tailed (lognormal) lengths.  Variants, each training its
 own fresh copy of the model (alternating step by step, so that other load slows all alike):
@@ -37,9 +37,9 @@ from typing import Literal
 import torch
 import tyro
 
+from common.packing import collate, to_device
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from common.packing import collate, to_device  # noqa: E402
 
 
 @dataclass

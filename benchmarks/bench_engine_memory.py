@@ -3,18 +3,16 @@ tensor parallelism 1, the engine in-process), after one generation call, beside 
 torch: RSS, PSS and USS in bytes, and the model's fp32 weights and KV cache, which the engine's share of
 common.infra.cluster.ENGINE_PROCESS_BYTES leaves out.
 
-    python benchmarks/bench_engine_memory.py --model assets/llama-0.5m
+    python -m benchmarks.bench_engine_memory --model assets/llama-0.5m
 """
 
 import json
 import os
-import sys
 from dataclasses import dataclass
 
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 @dataclass

@@ -2,8 +2,8 @@
 trainer ranks, vLLM engines) on the built-in tiny models: synchronous, with --async_train, and without skipping
 the samples whose advantages are all 0.
 
-    python benchmarks/bench_grpo.py --models llama-0.5m llama-10m --modes sync async
-    python benchmarks/bench_grpo.py --models llama-10m --modes sync noskip --signal_share 0.25
+    python -m benchmarks.bench_grpo --models llama-0.5m llama-10m --modes sync async
+    python -m benchmarks.bench_grpo --models llama-10m --modes sync noskip --signal_share 0.25
 
 For each model and mode: builds the model (launch/tiny.py) if missing, runs `algos/grpo.py` for
 --steps rollout steps on the reversal prompts, and prints the mean seconds of each phase (generate,
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import tyro
 
+from launch.tiny import build_assets
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from launch.tiny import build_assets  # noqa: E402
 
 PHASES = ("generate", "reward", "logprobs", "train", "sync", "rollout_wait")
 

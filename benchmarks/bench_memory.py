@@ -11,8 +11,8 @@ memory held before the measured step (the model, and the gradients of a warm-up 
 estimated need exceeds the memory available is skipped with the estimate printed, rather than run into the
 kernel's OOM killer.
 
-    python benchmarks/bench_memory.py --layers 2                       # quick CPU table, 1k-8k tokens
-    python benchmarks/bench_memory.py --tokens 1024 --chunks 256,1024,2048 --checkpointing off
+    python -m benchmarks.bench_memory --layers 2                       # quick CPU table, 1k-8k tokens
+    python -m benchmarks.bench_memory --tokens 1024 --chunks 256,1024,2048 --checkpointing off
 """
 
 import argparse
@@ -25,7 +25,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
              intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768)
@@ -153,11 +152,11 @@ def main():
                 if need > 0.9 * mem_available():
                     print(f"{tokens:>7} {ckpt:>4} {head:>12}  skipped: needs ~{need / 1e9:.1f} GB", flush=True)
                     continue
-                cmd = [sys.executable, os.path.abspath(__file__), "--one", "--tokens", str(tokens), "--chunk",
+                cmd = [sys.executable, "-m", "benchmarks.bench_memory", "--one", "--tokens", str(tokens), "--chunk",
                        str(chunk), "--checkpointing", ckpt, "--layers", str(args.layers), "--samples",
                        str(args.samples), "--steps", str(args.steps), "--warmup", str(args.warmup),
                        "--dtype", args.dtype]
-                proc = subprocess.run(cmd, capture_output=True, text=True)
+                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
                 lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
                 if proc.returncode or not lines:
                     print(f"{tokens:>7} {ckpt:>4} {head:>12}  failed (exit {proc.returncode}): "

@@ -6,18 +6,15 @@ MFU is over the H200's dense bf16 peak (989.4 TFLOP/s) on CUDA and over the matm
 optimizer step included and excluded. On CPU the same, against the CPU's measured matmul rate (fp32, or bf16
 where the CPU multiplies it natively); --layers and --tokens shrink the run for a quick check.
 
-    python benchmarks/bench_mfu.py                          # H200: the full model, 4,096 tokens
-    python benchmarks/bench_mfu.py --layers 2 --tokens 256  # a quick CPU check
+    python -m benchmarks.bench_mfu                          # H200: the full model, 4,096 tokens
+    python -m benchmarks.bench_mfu --layers 2 --tokens 256  # a quick CPU check
 """
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 H200_BF16_PEAK = 989.4e12
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

@@ -1,7 +1,7 @@
 """PPO step time split by phase (critic forward and critic update included), and s/step, through the
 real script (Ray driver, DeepSpeed actor and critic ranks, vLLM engines) on the built-in tiny models.
 
-    python benchmarks/bench_ppo.py --models llama-0.5m llama-10m
+    python -m benchmarks.bench_ppo --models llama-0.5m llama-10m
 
 For each model: builds it (launch/tiny.py) if missing, runs `algos/ppo.py` for --steps rollout steps
 on the reversal prompts (critic from the same model, a fresh value head), and prints the mean seconds
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import tyro
 
+from launch.tiny import build_assets
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from launch.tiny import build_assets  # noqa: E402
 
 PHASES = ("generate", "reward", "logprobs_values", "actor_train", "critic_train", "train", "sync")
 

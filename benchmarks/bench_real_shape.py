@@ -11,9 +11,9 @@ it, start-up included), and the peak RSS of the script's process tree (trainer, 
 the processes' RSS, sampled every 0.2 s). vLLM's CPU KV cache is sized in bytes from the run
 (common.infra.vllm_engine.kv_cache_bytes).
 
-    python benchmarks/bench_real_shape.py --layers 2            # smoke test, ~3 min
-    python benchmarks/bench_real_shape.py --scripts sft         # the 0.5B shape, one script
-    python benchmarks/bench_real_shape.py --scripts grpo --lora_rank 8   # the 0.5B shape, LoRA: ~half the memory
+    python -m benchmarks.bench_real_shape --layers 2            # smoke test, ~3 min
+    python -m benchmarks.bench_real_shape --scripts sft         # the 0.5B shape, one script
+    python -m benchmarks.bench_real_shape --scripts grpo --lora_rank 8   # the 0.5B shape, LoRA: ~half the memory
 """
 
 import argparse
@@ -26,10 +26,10 @@ import time
 
 import torch
 
+from benchmarks.bench_memory import SHAPE
+from launch.tiny import build_tokenizer, write_task_data
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from benchmarks.bench_memory import SHAPE  # noqa: E402
-from launch.tiny import build_tokenizer, write_task_data  # noqa: E402
 
 STUDENT = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=1024)

@@ -2,7 +2,7 @@
 path, as OpenRLHF) against the load-balanced zigzag split (ring-flash-attn's zigzag varlen path), same packed
 row, same CPU kernels, attention forward + backward only.
 
-    torchrun --nproc_per_node 2 benchmarks/bench_ring.py                 # ring of 2, bf16, 8 samples x 1024
+    torchrun --nproc_per_node 2 -m benchmarks.bench_ring                 # ring of 2, bf16, 8 samples x 1024
 
 Contiguous: rank r keeps tokens [r L/N, (r+1) L/N) of the row; its queries attend to every key before them,
 so under causal attention the last rank does most of the work (rank 0 of 2 ~1/4 of the score blocks, rank 1
@@ -14,7 +14,6 @@ attending the whole row (max |out diff|, max |dq diff|) before the timings. A st
 """
 
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -22,9 +21,8 @@ import torch
 import torch.distributed as dist
 import tyro
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.ring_attention import import_ring_flash_attn  # noqa: E402
-from common.kernels.varlen_attention import varlen_attention_forward  # noqa: E402
+from common.ring_attention import import_ring_flash_attn
+from common.kernels.varlen_attention import varlen_attention_forward
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Reward-model training throughput: packed vs padded rows, same pairs, same model, same optimizer step.
 
-    TOKENIZERS_PARALLELISM=false python benchmarks/bench_rm.py --model assets/llama-10m
+    TOKENIZERS_PARALLELISM=false python -m benchmarks.bench_rm --model assets/llama-10m
 
 Synthesises preference pairs (a shared prompt and two responses, lognormal lengths with a long tail),
 then for each layout collates each micro-batch's chosen and rejected sequences into one batch with
@@ -17,9 +17,7 @@ row per micro-batch when flash_attn imports (as rm.py's make_batch).
 """
 
 import math
-import os
 import random
-import sys
 import time
 from dataclasses import dataclass
 
@@ -27,9 +25,8 @@ import torch
 import torch.nn.functional as F
 import tyro
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.packing import collate, to_device  # noqa: E402
-from common.infra.reward import sequence_rewards  # noqa: E402
+from common.packing import collate, to_device
+from common.infra.reward import sequence_rewards
 
 
 @dataclass

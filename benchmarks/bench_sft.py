@@ -1,6 +1,6 @@
 """SFT throughput benchmark: packed vs padded rows, same data, same model, same optimizer step.
 
-    TOKENIZERS_PARALLELISM=false python benchmarks/bench_sft.py --model assets/llama-10m
+    TOKENIZERS_PARALLELISM=false python -m benchmarks.bench_sft --model assets/llama-10m
 
 Synthesises token sequences with a long-tailed (lognormal) length distribution, then for each layout
 collates micro-batches with `common.packing.collate` exactly as algos/sft.py does and times
@@ -17,18 +17,15 @@ and flash_attention_2 with one packed row per micro-batch when flash_attn import
 """
 
 import math
-import os
 import random
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 import tyro
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.packing import collate, to_device, token_logps  # noqa: E402
-from common.kernels.varlen_attention import NAME as VARLEN  # noqa: E402
+from common.packing import collate, to_device, token_logps
+from common.kernels.varlen_attention import NAME as VARLEN
 
 
 @dataclass

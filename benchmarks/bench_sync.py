@@ -1,6 +1,6 @@
 """Weight-sync and generation throughput of the vLLM layer (common/infra/vllm_engine.py).
 
-    python benchmarks/bench_sync.py --model assets/llama-10m
+    python -m benchmarks.bench_sync --model assets/llama-10m
 
 Prints (1) WeightSync.sync MB/s (gather + bucketed broadcast + vLLM layerwise reload + prefix-cache
 reset, through vLLM's weight-transfer API)
@@ -8,17 +8,14 @@ against a raw broadcast of the same bytes over the same gloo group, and (2) gene
 a batch of prompts with n samples each. Run it on an idle machine: on CPU everything shares cores.
 """
 
-import os
-import sys
 import time
 from dataclasses import dataclass
 
 import torch
 import tyro
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.infra.vllm_engine import EngineArgs, SamplingArgs, create_vllm_engine, vllm_generate  # noqa: E402
-from common.infra.weight_sync import WeightSync, _broadcast_from_0, _in_thread  # noqa: E402
+from common.infra.vllm_engine import EngineArgs, SamplingArgs, create_vllm_engine, vllm_generate
+from common.infra.weight_sync import WeightSync, _broadcast_from_0, _in_thread
 
 
 @dataclass

@@ -2,7 +2,7 @@
 (--prompts x --n samples of exactly --tokens tokens, ignore_eos) per decode step, for each engine setting.
 Each setting runs in a fresh process (vLLM reads its environment once).
 
-    python benchmarks/bench_vllm.py --model assets/llama-10m
+    python -m benchmarks.bench_vllm --model assets/llama-10m
 
 Settings: `mp` is vLLM's own default (VLLM_ENABLE_V1_MULTIPROCESSING=1: the engine core in a process of its
 own, requests and outputs over ZMQ; what common.infra.vllm_engine uses); `inproc` sets
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 SETTINGS = {"mp": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "inproc": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
 
@@ -65,8 +64,8 @@ def main(args: Args):
     for name in [s.strip() for s in args.settings.split(",") if s.strip()]:
         if name not in SETTINGS:
             sys.exit(f"error: --settings takes a comma list of {', '.join(SETTINGS)}; got {name!r}")
-        cmd = [sys.executable, __file__, "--model", args.model, "--prompts", str(args.prompts), "--n", str(args.n),
-               "--tokens", str(args.tokens), "--calls", str(args.calls)]
+        cmd = [sys.executable, "-m", "benchmarks.bench_vllm", "--model", args.model, "--prompts", str(args.prompts),
+               "--n", str(args.n), "--tokens", str(args.tokens), "--calls", str(args.calls)]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                               env={**os.environ, "MINRLHF_BENCH_VLLM_CHILD": "1", **SETTINGS[name]})
         if proc.returncode != 0:

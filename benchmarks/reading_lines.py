@@ -1,6 +1,6 @@
 """Lines a forker must read to follow a training script, counted two ways, and the size of each tier of common/.
 
-    python benchmarks/reading_lines.py [--detail] [algos/sft.py ...]
+    python -m benchmarks.reading_lines [--detail] [algos/sft.py ...]
 
 Tiers of common/, by path (the constants below): opt-in = OPT_IN; kernel = under KERNEL_DIRS; trust = under
 TRUST_DIRS or a module whose docstring's first line contains TRUST_MARK; read = every other module of common/.

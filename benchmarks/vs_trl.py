@@ -2,8 +2,8 @@
 SFTTrainer (packing=bfd), DPOTrainer and GRPOTrainer, same model, same data, same shapes, one trainer
 process each, the two sides alternating round by round so that other load slows both alike.
 
-    python benchmarks/vs_trl.py --model assets/llama-10m             # TRL goes to --trl_dir, not .venv
-    python benchmarks/vs_trl.py --model_shape smollm2-135m --algos sft,dpo   # a published model's shape
+    python -m benchmarks.vs_trl --model assets/llama-10m             # TRL goes to --trl_dir, not .venv
+    python -m benchmarks.vs_trl --model_shape smollm2-135m --algos sft,dpo   # a published model's shape
 
 --model_shape builds a model of a published shape (random init) with a tokenizer of its vocabulary size (the
 tiny BPE filled up with unused tokens, launch/tiny.py's build_tokenizer), once, into the temp folder, and trains
@@ -61,7 +61,6 @@ from typing import Literal, Optional
 import tyro
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 TRL_VERSION = "1.16.0"
 
@@ -254,10 +253,10 @@ def read_rows(path, n):
 
 def token_counter(args):
     """Token counts of a chat-templated prompt, and of a response to it, as our scripts tokenize them."""
-    from common.data import DataArgs, format_prompt, format_response
+    from common.data import PromptArgs, format_prompt, format_response
     from common.infra.datasets import load_tokenizer
 
-    data_args = DataArgs(dataset="unused", apply_chat_template=True)
+    data_args = PromptArgs(apply_chat_template=True)
     tok = load_tokenizer(args.model, data_args)
 
     def count(text):

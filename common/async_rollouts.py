@@ -5,8 +5,8 @@ import contextlib
 import queue
 import threading
 
-from common.infra.cluster import off_policy
 from common.infra.roles import RoleFailed
+from common.rollout import off_policy
 
 
 class Rollouts:

@@ -8,11 +8,23 @@ from typing import Optional
 
 import tyro
 
-from common.packing import one_row_per_batch
+
+@dataclass
+class PromptArgs:
+    """Which field of a row holds its prompt and how the prompt becomes text (format_prompt): the same flags in
+    every script that reads prompts (DataArgs, grpo.py's and ppo.py's RLArgs, generate.py's Args derive from it)."""
+    input_key: str = "input"
+    """Field holding the prompt (a string, or a list of chat messages)."""
+    input_template: Optional[str] = None
+    """Plain prompt template with one '{}' for the prompt, e.g. 'User: {}\\nAssistant: ' (no chat template)."""
+    apply_chat_template: bool = False
+    """Format prompts with the tokenizer's chat template."""
+    tokenizer_chat_template: Optional[str] = None
+    """A Jinja chat template that replaces the tokenizer's own."""
 
 
 @dataclass
-class DataArgs:
+class DataArgs(PromptArgs):
     dataset: str = tyro.MISSING
     """Comma list of datasets: local json/jsonl/csv/parquet/arrow files or folders, save_to_disk folders, `type@dir`,
     or hub names."""
@@ -28,14 +40,6 @@ class DataArgs:
     """Use at most this many training samples (after mixing)."""
     max_len: int = 2048
     """Longest sample in tokens; longer samples are an error (or skipped with --skip_bad_rows)."""
-    input_key: str = "input"
-    """Field holding the prompt (a string, or a list of chat messages)."""
-    input_template: Optional[str] = None
-    """Plain prompt template with one '{}' for the prompt, e.g. 'User: {}\\nAssistant: ' (no chat template)."""
-    apply_chat_template: bool = False
-    """Format prompts with the tokenizer's chat template."""
-    tokenizer_chat_template: Optional[str] = None
-    """A Jinja chat template that replaces the tokenizer's own."""
     skip_bad_rows: bool = False
     """Skip and count malformed or too-long rows instead of stopping with an error."""
     preprocess_num_workers: int = 1
@@ -56,39 +60,7 @@ class BadRow(ValueError):
     """Raised by a row function for a row that cannot be used; the message names the field."""
 
 
-def validate_data_args(args: DataArgs, attn_implementation=None):
-    """Checks that need no data or model: raise ValueError naming the flag. attn_implementation is
-    --attn_implementation as given (None: the device's default)."""
-    specs = split_specs(args.dataset)
-    if not specs:
-        raise ValueError("--dataset is empty")
-    if args.dataset_probs is not None:
-        probs = [float(p) for p in args.dataset_probs.split(",")]
-        if len(probs) != len(specs):
-            raise ValueError(f"--dataset_probs has {len(probs)} values but --dataset names {len(specs)} datasets")
-        if any(p < 0 for p in probs) or abs(sum(probs) - 1) > 1e-6:
-            raise ValueError(f"--dataset_probs must be non-negative and sum to 1, got {args.dataset_probs}")
-    validate_prompt_args(args.input_template, args.apply_chat_template)
-    if args.max_len < 2:
-        raise ValueError(f"--max_len must be >= 2, got {args.max_len}")
-    if args.pack_max_tokens and args.pack_max_tokens < args.max_len:
-        raise ValueError(f"--pack_max_tokens {args.pack_max_tokens} must be >= --max_len {args.max_len}")
-    if args.pack_max_tokens and one_row_per_batch(attn_implementation):
-        kernel = attn_implementation or "the default kernel (varlen_sdpa on CPU)"
-        raise ValueError(f"--pack_max_tokens bounds packed rows for masked attention (--attn_implementation sdpa or "
-                         f"eager); {kernel} packs each micro-batch as one row (size it with --micro_train_batch_size)")
-
-
-def validate_prompt_args(input_template, apply_chat_template):
-    """The prompt format flags: one '{}' in --input_template, which the chat template would ignore."""
-    if input_template is not None and "{}" not in input_template:
-        raise ValueError(f"--input_template must contain '{{}}' where the prompt goes, got {input_template!r}")
-    if input_template is not None and apply_chat_template:
-        raise ValueError("--input_template and --apply_chat_template exclude each other (the chat template "
-                         "formats the prompt; put any wording into --tokenizer_chat_template)")
-
-
-def format_prompt(prompt, tokenizer, args: DataArgs):
+def format_prompt(prompt, tokenizer, args: PromptArgs):
     """The prompt text the model sees: chat template (a string becomes one user turn), the
     plain --input_template, or the raw text."""
     if args.apply_chat_template:
@@ -99,7 +71,7 @@ def format_prompt(prompt, tokenizer, args: DataArgs):
     return args.input_template.format(prompt) if args.input_template else prompt
 
 
-def format_response(prompt, response, tokenizer, args: DataArgs):
+def format_response(prompt, response, tokenizer, args: PromptArgs):
     """The response text appended to format_prompt(prompt): under a chat template, what the
     template adds for the assistant turn (end-of-turn tokens included); otherwise response + EOS."""
     if args.apply_chat_template:

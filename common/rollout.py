@@ -1,7 +1,8 @@
-"""The RL rollout, what grpo.py and ppo.py share of the algorithm: the flags they share, sampling n responses per
-prompt, reward composition (reward file or URL plus reward models), DAPO's dynamic filtering and overlong shaping,
-masking, the training samples and their packed batches, and evaluation (pass@1, pass@k). The advantages and losses
-stay in each script; the Ray and vLLM mechanism is common/infra/cluster.py's.
+"""The RL rollout, what grpo.py and ppo.py share of the algorithm: the flags they share, the prompts (which fields a
+row has, when it is too long), whether the samples are off-policy, sampling n responses per prompt, reward
+composition (reward file or URL plus reward models), DAPO's dynamic filtering and overlong shaping, masking, the
+training samples and their packed batches, and evaluation (pass@1, pass@k). The advantages and losses stay in each
+script; the Ray and vLLM mechanism is common/infra/cluster.py's.
 
 # ---- forkers edit here: sampling, rewards, filtering and shaping are plain functions of the rollout ----
 """
@@ -13,9 +14,10 @@ from typing import Annotated, Optional
 import torch
 import tyro
 
-from common.data import format_response
+from common.data import BadRow, PromptArgs, format_prompt, format_response
 from common.episodes import AgentArgs, Episode, episode_sample, run_episodes
 from common.infra.cluster import ClusterArgs, generate
+from common.infra.datasets import load_one
 from common.infra.engine import CkptArgs, ModelArgs, TrainArgs
 from common.infra.tracking import LogArgs
 from common.infra.vllm_engine import EngineArgs, SamplingArgs
@@ -55,6 +57,13 @@ class AsyncArgs:
     it before a weight sync; then it stops naming who is late."""
 
 
+def off_policy(args):
+    """--async_train with --max_staleness K > 0: a step's samples come from weights up to K updates before the
+    trainer's (step j's from update max(j - K, 0)), and vLLM's log-probs of them (the behaviour policy) are the old
+    policy of the clip."""
+    return args.async_rollout.async_train and args.async_rollout.max_staleness > 0
+
+
 @dataclass
 class ActorTrainArgs(TrainArgs):
     train_batch_size: int = 64
@@ -71,9 +80,9 @@ class ActorTrainArgs(TrainArgs):
 
 
 @dataclass
-class RLArgs:
-    """The flags of grpo.py and ppo.py that mean the same in both: prompts, evaluation, rewards, rollouts (each
-    script's Args derives from it, so they read as its own fields)."""
+class RLArgs(PromptArgs):
+    """The flags of grpo.py and ppo.py that mean the same in both: prompts (the prompt flags of PromptArgs and
+    these), evaluation, rewards, rollouts (each script's Args derives from it, so they read as its own fields)."""
 
     model: ModelArgs = field(default_factory=ModelArgs)
     train: ActorTrainArgs = field(default_factory=ActorTrainArgs)
@@ -89,16 +98,8 @@ class RLArgs:
     """Prompt dataset (any spec common/data.py loads: file, folder, type@dir, hub name)."""
     prompt_split: str = "train"
     """Split of --prompt_data."""
-    input_key: str = "input"
-    """Field holding the prompt (a string, or a list of chat messages)."""
     label_key: Optional[str] = None
     """Field holding the reference answer passed to the reward function (required in every row when set)."""
-    apply_chat_template: bool = False
-    """Format prompts with the tokenizer's chat template."""
-    input_template: Optional[str] = None
-    """Plain prompt template with one '{}' for the prompt (no chat template)."""
-    tokenizer_chat_template: Optional[str] = None
-    """A Jinja chat template that replaces the tokenizer's own."""
     max_samples: int = 100_000_000
     """Use at most this many prompts."""
     skip_bad_rows: bool = False
@@ -114,7 +115,7 @@ class RLArgs:
     # -- rewards
     remote_rm_url: Optional[str] = None
     """Rule-based or remote reward: a .py file defining reward_func(queries, prompts, labels), or an HTTP URL
-    served by `python launch/reward_server.py`."""
+    served by `python -m launch.reward_server`."""
     remote_rm_token: Optional[str] = None
     """Bearer token for an HTTP --remote_rm_url (default: $MINRLHF_REWARD_TOKEN)."""
     reward_pretrain: Optional[str] = None
@@ -164,6 +165,37 @@ class RLArgs:
 # ----------------------------------------------------------------------------------------------
 # Prompts and steps
 # ----------------------------------------------------------------------------------------------
+
+
+def load_prompts(spec, split, args, tokenizer, max_samples):
+    """[{prompt_text, prompt_ids, label}]; rows missing a field or too long fail naming the file and row."""
+    raw = load_one(spec, split)
+    prompts, skipped = [], 0
+    for i in range(min(len(raw), max_samples)):
+        row = raw[i]
+        try:
+            if row.get(args.input_key) in (None, "", []):
+                raise BadRow(f"missing or empty field {args.input_key!r} (--input_key)")
+            if args.label_key and row.get(args.label_key) is None:
+                raise BadRow(f"missing field {args.label_key!r} (--label_key), which the reward needs")
+            text = format_prompt(row[args.input_key], tokenizer, args)
+            ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
+            limit = min(args.prompt_max_len, args.engine.max_model_len - 1)  # the engine needs room for a response
+            if len(ids) > limit:
+                raise BadRow(f"{len(ids)} prompt tokens, more than {limit} (--prompt_max_len {args.prompt_max_len}, "
+                             f"--max_model_len {args.engine.max_model_len})")
+        except BadRow as e:
+            if not args.skip_bad_rows:
+                raise ValueError(f"{spec}: row {i}: {e}") from None
+            skipped += 1
+            continue
+        prompts.append({"prompt_text": text, "prompt_ids": ids, "raw": row[args.input_key],
+                        "label": row[args.label_key] if args.label_key else None})
+    if not prompts:
+        raise ValueError(f"{spec}: no usable prompts ({len(raw)} rows, {skipped} skipped)")
+    if skipped:
+        print(f"{spec}: skipped {skipped} bad rows")
+    return prompts
 
 
 def prompt_at(prompts, position, seed):

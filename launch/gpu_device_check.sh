@@ -24,4 +24,4 @@ if [[ " $* " != *" --dry-run "* ]]; then
   export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} MINRLHF_SITE=$site
 fi
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 WANDB_MODE=offline
-exec timeout 540 "$py" tests/scripts/gpu_device_check.py --out "$out" "$@"
+exec timeout 540 "$py" -m tests.scripts.gpu_device_check --out "$out" "$@"

@@ -1,7 +1,7 @@
 """A reward server: a reward function file or rm.py reward models behind a URL, for --remote_rm_url.
 
-    python launch/reward_server.py --reward_func launch/rewards/exact_match.py --port 5000
-    python launch/reward_server.py --reward_pretrain outputs/rm --normalize_reward --port 5000
+    python -m launch.reward_server --reward_func launch/rewards/exact_match.py --port 5000
+    python -m launch.reward_server --reward_pretrain outputs/rm --normalize_reward --port 5000
 
 Standard library only (plus torch for the rewards). Requests are POSTs of {"queries", "prompts", "labels"} with
 `Authorization: Bearer <token>`; the answer is {"rewards": [...]} (common/infra/remote_reward.py is the client).
@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.infra.remote_reward import TOKEN_ENV, _file_reward_fn, check_rewards  # noqa: E402
+from common.infra.remote_reward import TOKEN_ENV, _file_reward_fn, check_rewards
 
 MAX_REQUEST_BYTES = 1 << 30  # 8,192 queries of 16k tokens' text, sent with their prompts, are ~0.5 GB
 

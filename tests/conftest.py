@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 # the suite's time budget (launch/test.sh sets it): a session past it fails, naming its slowest tests
-from suite_budget import pytest_runtest_logreport, pytest_sessionfinish, pytest_sessionstart  # noqa: E402, F401
+from suite_budget import pytest_runtest_logreport, pytest_sessionfinish, pytest_sessionstart  # noqa: F401
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# pytest.ini's pythonpath, for a test file that runs itself as a worker process (python tests/test_x.py, torchrun)
+PYTHONPATH = os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "scripts")])
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 STALE_BUILD_LOCK_S = 300  # a JIT build of DeepSpeed's ops (shm comm, CPU Adam) takes ~1 min on 2 busy cores

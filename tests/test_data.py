@@ -13,7 +13,8 @@ import datasets
 import pytest
 from conftest import load_algo
 
-from common.data import BadRow, DataArgs, format_prompt, format_response, validate_data_args
+from common.data import BadRow, DataArgs, format_prompt, format_response
+from common.infra.engine import validate_data_args
 
 from common.infra.datasets import load_one, prepare_dataset
 

@@ -30,7 +30,7 @@ NARRATION = [
 
 ALL_SCRIPTS = ["sft", "rm", "dpo", "kto", "distill", "generate", "grpo", "ppo"]
 TRAINING_SCRIPTS = [s for s in ALL_SCRIPTS if s != "generate"]
-SERVER = "launch/reward_server.py"  # the reward server's CLI (its ServeArgs)
+SERVER = "launch.reward_server"  # the reward server's CLI (its ServeArgs), run as python -m launch.reward_server
 # which scripts' flags a page may name in its prose
 PAGE_SCRIPTS = {
     "README.md": ALL_SCRIPTS,
@@ -276,7 +276,7 @@ def page_flag_problems(page, flags):
             named += named_flags(INLINE_CODE.sub(" ", line), page_scripts)
         for flag, scripts in named:
             if not check_flag(flag, scripts, flags):
-                where = ", ".join("python launch/reward_server.py" if s == SERVER else f"algos/{s}.py" for s in scripts)
+                where = ", ".join("python -m launch.reward_server" if s == SERVER else f"algos/{s}.py" for s in scripts)
                 problems.append(f"{rel_page}:{start}: {flag} is not a flag of {where}: fix the name (see --help), "
                                 f"or say which script it belongs to")
     return problems

@@ -56,9 +56,9 @@ def test_second_run_on_a_held_ckpt_path_fails_at_once(assets, tmp_path):
     naming the holder's pid and host, with one error line."""
     ckpt = tmp_path / "ckpt"
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; sys.path.insert(0, sys.argv[1]); from common.infra.engine import CkptArgs, hold_ckpt_path; "
-        "hold_ckpt_path(CkptArgs(ckpt_path=sys.argv[2], save_steps=1)); print('held', flush=True); time.sleep(600)"),
-        ROOT, str(ckpt)], stdout=subprocess.PIPE, text=True)
+        "import sys, time; from common.infra.engine import CkptArgs, hold_ckpt_path; "
+        "hold_ckpt_path(CkptArgs(ckpt_path=sys.argv[1], save_steps=1)); print('held', flush=True); time.sleep(600)"),
+        str(ckpt)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         t0 = time.time()

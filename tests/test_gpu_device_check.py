@@ -17,12 +17,11 @@ import pytest
 
 from conftest import ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
 
 
 @pytest.mark.quick
 def test_device_check_dry_run(tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "scripts", "gpu_device_check.py"), "--dry-run",
+    proc = subprocess.run([sys.executable, "-m", "tests.scripts.gpu_device_check", "--dry-run",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "PASS dry_run wheels=13 steps=13" in proc.stdout
@@ -82,7 +81,7 @@ def test_step_run_alone(tmp_path):
     """--steps packed_vs_padded alone loads its model by the name varlen_sdpa (registered by the step's own
     modules, not by an earlier step), and its result lands under --out: steps/<step>.json, summary.json, the log
     and all three in the archive."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "scripts", "gpu_device_check.py"), "--rehearse",
+    proc = subprocess.run([sys.executable, "-m", "tests.scripts.gpu_device_check", "--rehearse",
                            "--steps", "packed_vs_padded", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -134,10 +133,10 @@ def test_device_check_rehearsal(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     report = proc.stdout[-6000:] + proc.stderr[-3000:]
     print(proc.stdout)
-    code = (f"import json, sys; sys.path.insert(1, {os.path.join(ROOT, 'tests', 'scripts')!r}); "
-            "import gpu_device_check; print(json.dumps(gpu_device_check.carried_files()))")
+    code = "import json; import gpu_device_check; print(json.dumps(gpu_device_check.carried_files()))"
+    path = os.pathsep.join([str(site), os.path.join(ROOT, "tests", "scripts")])
     where = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True, text=True,
-                           timeout=120, env={**os.environ, "PYTHONPATH": str(site)})
+                           timeout=120, env={**os.environ, "PYTHONPATH": path})
     assert where.returncode == 0, where.stderr[-3000:]
     files = json.loads(where.stdout.strip().splitlines()[-1])
     assert set(files) == set(gpu_device_check.CARRIED)

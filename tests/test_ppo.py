@@ -331,7 +331,7 @@ def offload_check(assets, zero_stage):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "scripts", "offload_check.py"),
+    proc = subprocess.run([sys.executable, "-m", "tests.scripts.offload_check",
                            f"{assets}/llama-0.5m", str(zero_stage)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": port})
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,18 +1,13 @@
 """benchmarks/reading_lines.py on a tiny tree whose A and B were counted by hand (line numbers in the comments)."""
 
-import importlib.util
 import os
 import textwrap
 
 import pytest
 
-from conftest import ROOT
+from benchmarks import reading_lines
 
 pytestmark = pytest.mark.quick  # the quick tier (launch/test.sh --quick)
-
-spec = importlib.util.spec_from_file_location("reading_lines", os.path.join(ROOT, "benchmarks", "reading_lines.py"))
-reading_lines = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(reading_lines)
 
 TREE = {
     "algos/train.py": '''

@@ -4,7 +4,6 @@ padded to that vocabulary, built once for the module. Random weights spread the 
 evenly, so the first SFT loss and the first rollout's entropy are ln(151,936) = 11.93 to within the logits' small
 spread."""
 
-import importlib.util
 import math
 import os
 
@@ -12,10 +11,7 @@ import pytest
 
 from conftest import ROOT, max_weight_diff, read_jsonl, run_script
 
-spec = importlib.util.spec_from_file_location("bench_real_shape",
-                                              os.path.join(ROOT, "benchmarks", "bench_real_shape.py"))
-bench_real_shape = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench_real_shape)
+from benchmarks import bench_real_shape
 
 VOCAB = bench_real_shape.SHAPE["vocab_size"]
 LN_VOCAB = math.log(VOCAB)

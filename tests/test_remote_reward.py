@@ -23,7 +23,7 @@ from common.infra.remote_reward import load_reward_func, make_reward_fn
 from launch.reward_server import main, serve_rewards
 
 EXACT_MATCH = os.path.join(ROOT, "launch", "rewards", "exact_match.py")
-SERVER = os.path.join(ROOT, "launch", "reward_server.py")
+SERVER = ["-m", "launch.reward_server"]  # run from ROOT, as the docs run it
 PROMPTS = ["reverse: a b\n", "reverse: c d\n", "reverse: e f\n"]
 QUERIES = [p + r for p, r in zip(PROMPTS, ["b a", "d d", "f e"])]
 LABELS = ["b a", "d c", "f e"]
@@ -294,7 +294,7 @@ def test_cli_serves_a_reward_model(assets, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(f"{assets}/llama-0.5m")
     tokenizer.save_pretrained(rm_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MINRLHF_REWARD_TOKEN": ""}
-    cmd = [sys.executable, SERVER, "--reward_pretrain", rm_path, "--normalize_reward", "--port", "0"]
+    cmd = [sys.executable, *SERVER, "--reward_pretrain", rm_path, "--normalize_reward", "--port", "0"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = proc.stdout.readline().split()[-1]
@@ -310,8 +310,8 @@ def test_cli_serves_a_reward_model(assets, tmp_path):
     assert torch.allclose(rewards, expected, atol=1e-5) and torch.allclose(rewards, (raw - 0.25) / 2.0, atol=1e-5)
     assert len(set(rewards.tolist())) == 3  # three texts, three different scores
 
-    bad = subprocess.run([sys.executable, SERVER, "--reward_func", EXACT_MATCH, "--reward_pretrain", rm_path], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run([sys.executable, *SERVER, "--reward_func", EXACT_MATCH, "--reward_pretrain", rm_path],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "give exactly one of --reward_func and --reward_pretrain" in bad.stderr
 
 

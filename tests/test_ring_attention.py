@@ -50,7 +50,7 @@ def gqa_models(tmp_path_factory):
 def run_check(mode, out, paths):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "tests", "scripts", "ring_check.py"), mode, str(out), *paths]
+           "-m", "tests.scripts.ring_check", mode, str(out), *paths]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     with open(out) as f:

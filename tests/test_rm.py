@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, load_algo, read_jsonl, run_script
+from conftest import PYTHONPATH, ROOT, load_algo, read_jsonl, run_script
 
 from common.data import BadRow, DataArgs, reward_model_ids
 
@@ -358,7 +358,7 @@ def zero3_score_worker(model_dir, out_file):
 def test_score_with_zero3_eval_engine(rm_start, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": PYTHONPATH}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, rm_start,
            str(tmp_path / "rewards")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -525,7 +525,7 @@ def test_reward_models_score_the_ids_rm_py_trains_on(assets, tmp_path):
         prompt_text = format_prompt(prompt, tokenizer, data_args)
         chunk = [{"prompt": prompt, "prompt_text": prompt_text, "label": None}]
         generate_scoring = lambda: gen.compute_rewards(  # noqa: E731
-            gen_args, chunk, [[response]], [model], tokenizer, data_args, None)
+            gen_args, chunk, [[response]], [model], tokenizer, None)
         assert scored_ids(model, generate_scoring) == [trained], chat
 
         # the rollout: the policy's sample (ids to its EOS, text without it) -> the reward-model actor's ids

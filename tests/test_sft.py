@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script, run_scripts, weights
+from conftest import PYTHONPATH, ROOT, load_algo, max_weight_diff, read_jsonl, run_script, run_scripts, weights
 
 from common.data import DataArgs
 from common.packing import collate, token_logps
@@ -170,7 +170,8 @@ def test_zero0_clips_in_optimizer_step_as_plain_torch_does(assets, tmp_path):
 
     out = tmp_path / "clipped.pt"
     proc = subprocess.run([sys.executable, __file__, "clipping", f"{assets}/llama-0.5m", str(out)], cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH}, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(out)
     plain = {}
@@ -265,8 +266,8 @@ def test_resume_refuses_a_checkpoint_of_another_zero_stage_or_world(assets, tmp_
         check_resume_layout("c/global_step4", (3, 4), (3, 2))
     out = tmp_path / "outcomes.json"
     proc = subprocess.run([sys.executable, __file__, "layouts", f"{assets}/llama-0.5m", str(tmp_path), str(out)],
-                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300)
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": PYTHONPATH},
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     hint = "or pick another --ckpt_path"
     assert json.loads(out.read_text()) == {

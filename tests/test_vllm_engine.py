@@ -305,7 +305,7 @@ def run_zero_sync_check(model_path, tmp_path, nproc, zero_stage, lora_rank):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                            str(nproc),
-                           os.path.join(ROOT, "tests", "scripts", "zero_sync_check.py"), model_path, str(zero_stage),
+                           "-m", "tests.scripts.zero_sync_check", model_path, str(zero_stage),
                            str(lora_rank), str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(out.read_text())

@@ -1,8 +1,8 @@
 """Trust tier: read the faces, trust the body.
 
-The Ray side of the RL drivers (grpo.py, ppo.py): the checks of the flags they share, prompts and the step count,
-Ray start-up and placement, vLLM engines and reward-model actors, the reward function, and the engines' share of a
-rollout's prompts (the trainer ranks: common.infra.trainer_actor).
+The Ray side of the RL drivers (grpo.py, ppo.py): the checks of the flags they share, the step count, Ray start-up
+and placement, vLLM engines and reward-model actors, the reward function, and the engines' share of a rollout's
+prompts (the trainer ranks: common.infra.trainer_actor).
 """
 
 import math
@@ -13,10 +13,9 @@ from typing import Optional
 
 import torch
 
-from common.data import BadRow, format_prompt, reward_model_ids, validate_prompt_args
+from common.data import reward_model_ids
 from common.episodes import episode_tokens, load_env, validate_agent_args
-from common.infra.datasets import load_one
-from common.infra.engine import ModelArgs, uses_bf16
+from common.infra.engine import ModelArgs, uses_bf16, validate_prompt_args
 from common.infra.gpu import check_colocation, check_weight_sync_model
 from common.infra.vllm_engine import resolve_max_model_len
 
@@ -41,13 +40,6 @@ class ClusterArgs:
     rendezvous_timeout: float = 120.0
     """Seconds a group set-up (trainer groups, weight sync) waits for its members; then it stops naming who did
     not join."""
-
-
-def off_policy(args):
-    """--async_train with --max_staleness K > 0: a step's samples come from weights up to K updates before the
-    trainer's (step j's from update max(j - K, 0)), and vLLM's log-probs of them (the behaviour policy) are the old
-    policy of the clip."""
-    return args.async_rollout.async_train and args.async_rollout.max_staleness > 0
 
 
 def validate_rollout_args(args, world, script):
@@ -99,7 +91,7 @@ def validate_rollout_args(args, world, script):
     if overlap.async_train and args.cluster.vllm_enable_sleep:
         raise ValueError("--async_train generates while the trainer updates: the engines cannot sleep "
                          "(drop --vllm_enable_sleep)")
-    validate_prompt_args(args.input_template, args.apply_chat_template)
+    validate_prompt_args(args)
 
 
 def model_len_needed(args):
@@ -204,37 +196,6 @@ def available_memory():
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def load_prompts(spec, split, args, tokenizer, max_samples):
-    """[{prompt_text, prompt_ids, label}]; rows missing a field or too long fail naming the file and row."""
-    raw = load_one(spec, split)
-    prompts, skipped = [], 0
-    for i in range(min(len(raw), max_samples)):
-        row = raw[i]
-        try:
-            if row.get(args.input_key) in (None, "", []):
-                raise BadRow(f"missing or empty field {args.input_key!r} (--input_key)")
-            if args.label_key and row.get(args.label_key) is None:
-                raise BadRow(f"missing field {args.label_key!r} (--label_key), which the reward needs")
-            text = format_prompt(row[args.input_key], tokenizer, args)
-            ids = tokenizer(text, add_special_tokens=not args.apply_chat_template)["input_ids"]
-            limit = min(args.prompt_max_len, args.engine.max_model_len - 1)  # the engine needs room for a response
-            if len(ids) > limit:
-                raise BadRow(f"{len(ids)} prompt tokens, more than {limit} (--prompt_max_len {args.prompt_max_len}, "
-                             f"--max_model_len {args.engine.max_model_len})")
-        except BadRow as e:
-            if not args.skip_bad_rows:
-                raise ValueError(f"{spec}: row {i}: {e}") from None
-            skipped += 1
-            continue
-        prompts.append({"prompt_text": text, "prompt_ids": ids, "raw": row[args.input_key],
-                        "label": row[args.label_key] if args.label_key else None})
-    if not prompts:
-        raise ValueError(f"{spec}: no usable prompts ({len(raw)} rows, {skipped} skipped)")
-    if skipped:
-        print(f"{spec}: skipped {skipped} bad rows")
-    return prompts
 
 
 def rollout_steps(args, num_prompts):

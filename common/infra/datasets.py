@@ -12,7 +12,7 @@ from dataclasses import fields, is_dataclass
 from typing import Callable
 
 import common.data
-from common.data import BadRow, DataArgs, split_specs
+from common.data import BadRow, DataArgs, PromptArgs, split_specs
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -175,7 +175,7 @@ def rank0_first(prepare: Callable):
     return result
 
 
-def load_tokenizer(path, args: DataArgs):
+def load_tokenizer(path, args: PromptArgs):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import tyro
 
+from common.data import DataArgs, PromptArgs, split_specs
+
 
 # ----------------------------------------------------------------------------------------------
 # Option groups (flat on the command line: --zero_stage, --lora_rank, ...)
@@ -174,6 +176,39 @@ def validate_common_args(model: ModelArgs, train: TrainArgs, ckpt: CkptArgs, wor
         cuda = torch.cuda.is_available()
         attention_implementation("cuda" if cuda else "cpu", "bfloat16" if cuda and uses_bf16(train) else "float32",
                                  flash_attn_installed(), model.attn_implementation)
+
+
+def validate_data_args(args: DataArgs, attn_implementation=None):
+    """Checks that need no data or model: raise ValueError naming the flag. attn_implementation is
+    --attn_implementation as given (None: the device's default)."""
+    specs = split_specs(args.dataset)
+    if not specs:
+        raise ValueError("--dataset is empty")
+    if args.dataset_probs is not None:
+        probs = [float(p) for p in args.dataset_probs.split(",")]
+        if len(probs) != len(specs):
+            raise ValueError(f"--dataset_probs has {len(probs)} values but --dataset names {len(specs)} datasets")
+        if any(p < 0 for p in probs) or abs(sum(probs) - 1) > 1e-6:
+            raise ValueError(f"--dataset_probs must be non-negative and sum to 1, got {args.dataset_probs}")
+    validate_prompt_args(args)
+    if args.max_len < 2:
+        raise ValueError(f"--max_len must be >= 2, got {args.max_len}")
+    if args.pack_max_tokens and args.pack_max_tokens < args.max_len:
+        raise ValueError(f"--pack_max_tokens {args.pack_max_tokens} must be >= --max_len {args.max_len}")
+    from common.packing import one_row_per_batch
+    if args.pack_max_tokens and one_row_per_batch(attn_implementation):
+        kernel = attn_implementation or "the default kernel (varlen_sdpa on CPU)"
+        raise ValueError(f"--pack_max_tokens bounds packed rows for masked attention (--attn_implementation sdpa or "
+                         f"eager); {kernel} packs each micro-batch as one row (size it with --micro_train_batch_size)")
+
+
+def validate_prompt_args(args: PromptArgs):
+    """The prompt format flags: one '{}' in --input_template, which the chat template would ignore."""
+    if args.input_template is not None and "{}" not in args.input_template:
+        raise ValueError(f"--input_template must contain '{{}}' where the prompt goes, got {args.input_template!r}")
+    if args.input_template is not None and args.apply_chat_template:
+        raise ValueError("--input_template and --apply_chat_template exclude each other (the chat template "
+                         "formats the prompt; put any wording into --tokenizer_chat_template)")
 
 
 def flash_attn_installed():

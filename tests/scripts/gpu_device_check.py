@@ -32,7 +32,6 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
 WHEELS = os.path.join(ROOT, "launch", "gpu_wheels.txt")
 CARRIED = {"deepspeed": "deepspeed", "tyro": "tyro", "datasets": "datasets", "pydantic": "pydantic",
            "pydantic-core": "pydantic_core", "ring-flash-attn": "ring_flash_attn"}  # wheel: module, not on the image
@@ -404,7 +403,7 @@ def step_offload_states():
     from common.infra.engine import free_port
 
     stage = "3" if DEV["device"] == "cuda" else "2"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "scripts", "offload_check.py"),
+    proc = subprocess.run([sys.executable, "-m", "tests.scripts.offload_check",
                            f"{_assets()}/llama-0.5m", stage, "bf16"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "MASTER_PORT": str(free_port())})
     if proc.returncode:

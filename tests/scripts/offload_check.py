@@ -11,12 +11,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from common.infra.engine import (  # noqa: E402
+from common.infra.engine import (
     ModelArgs, TrainArgs, create_train_engine, deepspeed_config, device, gathered_state_dict, init_distributed,
     load_causal_lm, optimizer_step,
 )
-from common.packing import collate, to_device, token_logps  # noqa: E402
+from common.packing import collate, to_device, token_logps
 
 
 def train(model_path, zero_stage, offload, dtype="fp32"):

@@ -21,16 +21,15 @@ import sys
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-from common.infra.engine import (  # noqa: E402
+from common.infra.engine import (
     ModelArgs, TrainArgs, deepspeed_config, finish, init_distributed, load_causal_lm,
 )
-from common.packing import collate, per_sample_sum, token_logps  # noqa: E402
-from common.ring_attention import (  # noqa: E402
+from common.packing import collate, per_sample_sum, token_logps
+from common.ring_attention import (
     NAME, RingArgs, check_ring_model, ring_token_logps, setup_ring,
 )
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # a 24-token row whose second sample crosses the ranks' boundary (12); 25 tokens need one pad token
 LENGTHS = {24: [5, 10, 7, 2], 25: [5, 10, 7, 3]}
 

@@ -3,19 +3,17 @@
 trainer's and vLLM's log-probs of fixed sequences to a JSON file."""
 
 import json
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from common.infra.engine import (  # noqa: E402
+from common.infra.engine import (
     ModelArgs, TrainArgs, create_train_engine, deepspeed_config, finish, init_distributed, load_causal_lm,
     optimizer_step,
 )
-from common.packing import collate, token_logps  # noqa: E402
-from common.infra.vllm_engine import EngineArgs, create_vllm_engine, vllm_sequence_logprobs  # noqa: E402
-from common.infra.weight_sync import WeightSync  # noqa: E402
+from common.packing import collate, token_logps
+from common.infra.vllm_engine import EngineArgs, create_vllm_engine, vllm_sequence_logprobs
+from common.infra.weight_sync import WeightSync
 
 if __name__ == "__main__":
     model_path, zero_stage, lora_rank, out_file = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
