@@ -14,24 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common.infra.gpu import PACKED
-
-
-def pack_sequences(lengths, max_tokens):
-    """First-fit-decreasing bin packing: lists of sample indices whose lengths sum to <= max_tokens."""
-    rows, room = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if lengths[i] > max_tokens:
-            raise ValueError(f"sample {i} has {lengths[i]} tokens, more than the row limit {max_tokens}")
-        for r, free in enumerate(room):
-            if lengths[i] <= free:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            room.append(max_tokens - lengths[i])
-    return rows
+from common.kernels import VARLEN_SDPA
+from common.kernels.bins import pack_sequences
 
 
 def unwrap(model):
@@ -46,8 +30,8 @@ def one_row_per_batch(attn_implementation=None):
     (flash-attention's varlen, common.kernels.varlen_attention's varlen_sdpa) do Σ lᵢ² work on any row
     length, so one row needs no padding; masked attention (sdpa, eager) does L², so rows stay short.
     None is the default kernel, varlen_sdpa on every device."""
-    name = attn_implementation or PACKED
-    return name.startswith("flash") or name == PACKED
+    name = attn_implementation or VARLEN_SDPA
+    return name.startswith("flash") or name == VARLEN_SDPA
 
 
 @dataclass(frozen=True)
@@ -64,7 +48,7 @@ class Layout:
 def batch_layout(attn_implementation, ring=None):
     """The Layout for a model loaded with `attn_implementation`, split over `ring` or not."""
     return Layout(one_row=ring is not None or one_row_per_batch(attn_implementation),
-                  share_prefixes=ring is None and attn_implementation == PACKED)
+                  share_prefixes=ring is None and attn_implementation == VARLEN_SDPA)
 
 
 def collate(samples, pad_token_id, packing=True, max_tokens=None, one_row=False, share_prefixes=False):

@@ -128,6 +128,19 @@ def _torch_flash_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu
         buffer.copy_(grad)
 
 
+def ring_kernel(device_type, dtype, flash_attn_installed):
+    """What ring-flash-attn runs over: 'flash_attn' (installed, CUDA, bf16 / fp16), 'torch_flash' (torch's
+    aten flash ops, CUDA, bf16 / fp16) or 'cpu' (common.kernels.varlen_attention's kernels); ValueError for fp32
+    on CUDA, which neither flash kernel takes. A pure function of the facts it names, so a CPU test pins what a
+    CUDA run does."""
+    if device_type == "cpu":
+        return "cpu"
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"--ring_attn_size > 1 on CUDA runs flash kernels, which take bf16 / fp16, not "
+                         f"{str(dtype).split('.')[-1]}: set --param_dtype bf16")
+    return "flash_attn" if flash_attn_installed else "torch_flash"
+
+
 def _by_device(cpu, cuda):
     """One function of flash-attn's contract that runs `cpu` on CPU tensors and `cuda` on CUDA tensors (read off
     its first argument, q or dout, passed by position or by name)."""
@@ -247,8 +260,6 @@ def ring_attention_forward(module, query, key, value, attention_mask, scaling=No
         raise ValueError("ring attention takes one packed row, full causal attention, no mask, softcap or dropout")
     ring_fn, _ = import_ring_flash_attn()
     if query.is_cuda:  # fp32 on CUDA: neither flash kernel takes it; refused here, at the first forward
-        from common.infra.gpu import ring_kernel
-
         ring_kernel("cuda", value.dtype, "flash_attn" in sys.modules)
     # under CPU autocast the rotary embedding hands back fp32 queries and keys beside bf16 values: attend in fp32
     dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)

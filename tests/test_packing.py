@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from common.packing import collate, pack_sequences, per_sample_sum, token_logps, unpack
+from common.kernels.bins import pack_sequences
+from common.packing import collate, per_sample_sum, token_logps, unpack
 
 pytestmark = pytest.mark.quick  # the quick tier (launch/test.sh --quick)
 
