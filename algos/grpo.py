@@ -63,7 +63,8 @@ from common.infra.engine import (  # noqa: E402
     run, save_checkpoint, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args,
 )
 from common.packing import to_device, unpack  # noqa: E402
-from common.ring_attention import ring_model_args, ring_token_logps, validate_ring_args  # noqa: E402
+from common.infra.rings import ring_model_args, validate_ring_args  # noqa: E402
+from common.logprobs import token_logps  # noqa: E402
 from common.rollout import (  # noqa: E402
     RLArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
     model_tokens, rollout_metrics, rollout_samples, split_steps, token_sample,
@@ -329,7 +330,7 @@ def micro_batch_loss(model, batch, args, ring=None):
     """The policy loss of one collated micro-batch, summed as the step's normaliser expects (see aggregate); returns
     (loss, metric sums). Without "old_logps" in the batch (single_update) the current log-probs stand in for them,
     detached."""
-    logps, outputs = ring_token_logps(model, batch, ring, return_entropy=True)
+    logps, outputs = token_logps(model, batch, return_entropy=True, ring=ring)
     mask = batch["loss_mask"]
     old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
@@ -399,7 +400,7 @@ class PolicyTrainer:
             for key, model in (("old_logps", self.engine if policy else None), ("ref_logps", self.ref)):
                 if model is None:
                     continue
-                logps, _ = ring_token_logps(model, batch, self.ring)
+                logps, _ = token_logps(model, batch, ring=self.ring)
                 out[key] += [t[p:].cpu().tolist() for p, t in zip(batch["response_offsets"], unpack(logps, batch))]
         self.engine.train()
         return out

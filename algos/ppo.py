@@ -56,9 +56,8 @@ from common.infra.engine import (  # noqa: E402
     train_engine, validate_common_args,
 )
 from common.packing import collate, to_device, unpack, unwrap  # noqa: E402
-from common.ring_attention import (  # noqa: E402
-    ring_forward, ring_model_args, ring_next_token_values, ring_token_logps, validate_ring_args,
-)
+from common.infra.rings import ring_model_args, validate_ring_args  # noqa: E402
+from common.logprobs import token_logps  # noqa: E402
 from common.rollout import (  # noqa: E402
     RLArgs, collect_rollout, evaluate, kl_to_reference, make_batch,
     model_tokens, prompt_at, rollout_metrics, rollout_samples, split_steps,
@@ -361,14 +360,14 @@ def single_update(args):
 
 def ptx_loss(model, batch, ring=None):
     """PPO-ptx: the token-mean language-modelling loss of a collated micro-batch of pretraining text."""
-    logps, _ = ring_token_logps(model, batch, ring)
+    logps, _ = token_logps(model, batch, ring=ring)
     return -(logps * batch["loss_mask"]).sum() / batch["loss_mask"].sum().clamp(min=1)
 
 
 def micro_batch_loss(model, batch, args, ring=None, ptx_batch=None):
     """The actor's loss of one collated micro-batch, summed as the step's normaliser expects (see aggregate), and
     the LM loss of `ptx_batch` (None without one); returns (loss sum, LM loss, metric sums)."""
-    logps, outputs = ring_token_logps(model, batch, ring, return_entropy=True)
+    logps, outputs = token_logps(model, batch, return_entropy=True, ring=ring)
     mask = batch["loss_mask"]
     old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
@@ -400,6 +399,8 @@ def token_values(model, batch, value_head_prefix="score", ring=None):
     handle = getattr(unwrap(model), value_head_prefix).register_forward_hook(lambda m, a, out: values.append(out))
     try:
         if ring is not None:  # this rank's slice of the row; the values of the whole row are gathered below
+            from common.ring_attention import ring_forward
+
             ring_forward(model, batch, ring)
         else:  # with the cache on, packed rows are silently attended as one sequence
             model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -407,6 +408,8 @@ def token_values(model, batch, value_head_prefix="score", ring=None):
     finally:
         handle.remove()
     if ring is not None:
+        from common.ring_attention import ring_next_token_values
+
         return ring_next_token_values(values[0][0, :, 0].float(), batch, ring)
     out = torch.nn.functional.pad(values[0].squeeze(-1)[:, :-1].float(), (1, 0))
     return out.masked_fill(batch["position_ids"] == 0, 0.0)
@@ -576,7 +579,7 @@ class PolicyTrainer(GroupMember):
 
     def logprobs(self, samples):
         """Per-response-token log-probs under the policy before the update."""
-        return self.per_token(samples, self.engine, lambda m, b: ring_token_logps(m, b, self.ring)[0])
+        return self.per_token(samples, self.engine, lambda m, b: token_logps(m, b, ring=self.ring)[0])
 
     def train(self, steps, ptx_steps=None):
         args = self.args
@@ -600,7 +603,7 @@ class ReferenceRanks(GroupMember):
         return True
 
     def logprobs(self, samples):
-        return self.per_token(samples, self.engine, lambda m, b: ring_token_logps(m, b, self.ring)[0])
+        return self.per_token(samples, self.engine, lambda m, b: token_logps(m, b, ring=self.ring)[0])
 
 
 class CriticTrainer(GroupMember):

@@ -25,7 +25,8 @@ import tyro
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common.kernels import varlen_attention  # noqa: E402
 from common.infra.engine import cpu_has_native_bf16  # noqa: E402
-from common.packing import collate, response_logps  # noqa: E402
+from common.logprobs import response_logps  # noqa: E402
+from common.packing import collate  # noqa: E402
 
 
 @dataclass

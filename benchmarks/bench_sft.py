@@ -27,7 +27,8 @@ import torch
 import tyro
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common.packing import collate, to_device, token_logps  # noqa: E402
+from common.logprobs import token_logps  # noqa: E402
+from common.packing import collate, to_device  # noqa: E402
 from common.kernels.varlen_attention import NAME as VARLEN  # noqa: E402
 
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from common.packing import token_logps
+from common.logprobs import token_logps
 from common.rollout import ActorTrainArgs
 from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script
 

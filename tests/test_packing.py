@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from common.kernels.bins import pack_sequences
-from common.packing import collate, per_sample_sum, token_logps, unpack
+from common.logprobs import token_logps
+from common.packing import collate, per_sample_sum, unpack
 
 pytestmark = pytest.mark.quick  # the quick tier (launch/test.sh --quick)
 

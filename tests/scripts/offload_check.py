@@ -16,7 +16,8 @@ from common.infra.engine import (  # noqa: E402
     ModelArgs, TrainArgs, create_train_engine, deepspeed_config, device, gathered_state_dict, init_distributed,
     load_causal_lm, optimizer_step,
 )
-from common.packing import collate, to_device, token_logps  # noqa: E402
+from common.logprobs import token_logps  # noqa: E402
+from common.packing import collate, to_device  # noqa: E402
 
 
 def train(model_path, zero_stage, offload, dtype="fp32"):

@@ -13,7 +13,8 @@ from common.infra.engine import (  # noqa: E402
     ModelArgs, TrainArgs, create_train_engine, deepspeed_config, finish, init_distributed, load_causal_lm,
     optimizer_step,
 )
-from common.packing import collate, token_logps  # noqa: E402
+from common.logprobs import token_logps  # noqa: E402
+from common.packing import collate  # noqa: E402
 from common.infra.vllm_engine import EngineArgs, create_vllm_engine, vllm_sequence_logprobs  # noqa: E402
 from common.infra.weight_sync import WeightSync  # noqa: E402
 
