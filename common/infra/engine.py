@@ -591,8 +591,7 @@ class World:
 
     @property
     def copies(self):
-        """Ranks that hold each sample of a global batch (its ring's, 1 without rings): a sum over every rank
-        counts each sample this many times."""
+        """Ranks holding each sample (a ring's; 1 without): a sum over all ranks counts each this many times."""
         return self.size // self.dp_world
 
 

@@ -46,21 +46,16 @@ def sequence_rewards(model, batch, value_head_prefix="score", ring=None):
     values = []
     handle = getattr(hf_model, value_head_prefix).register_forward_hook(lambda module, args, out: values.append(out))
     try:
-        if ring is not None:
-            from common.ring_attention import ring_forward
-
-            ring_forward(model, batch, ring)
-        else:  # with the cache on, packed rows are silently attended as one sequence
+        if ring is None:  # with the cache on, packed rows are silently attended as one sequence
             model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                   position_ids=batch["position_ids"], use_cache=False)
+        else:  # this rank's slice of the row; the whole row's values are gathered below
+            from common.ring_attention import ring_forward, ring_row_values
+
+            ring_forward(model, batch, ring)
     finally:
         handle.remove()
-    if ring is not None:
-        from common.ring_attention import ring_row_values
-
-        flat = ring_row_values(values[0][0, :, 0], batch, ring)
-    else:
-        flat = values[0].squeeze(-1).flatten()
+    flat = values[0].squeeze(-1).flatten() if ring is None else ring_row_values(values[0][0, :, 0], batch, ring)
     return flat[reward_index(batch)].float()
 
 
