@@ -79,10 +79,11 @@ from common.infra.engine import (  # noqa: E402
     validate_data_args, world_size_from_env,
 )
 from common.packing import batch_layout, collate, lockstep_shard, to_device  # noqa: E402
-from common.kernels.chunked_head import head_chunk_tokens, head_logits_at, map_logit_chunks  # noqa: E402
+from common.kernels.chunked_head import head_logits_at, map_logit_chunks  # noqa: E402
 from common.infra.gpu import check_weight_sync_model  # noqa: E402
 from common.kernels.varlen_attention import default_attn_implementation  # noqa: E402
-from common.ring_attention import RingArgs, ring_model_args, ring_response_logits, validate_ring_args  # noqa: E402
+from common.infra.rings import RingArgs, ring_model_args, validate_ring_args  # noqa: E402
+from common.logprobs import logps_chunk_tokens, model_settings  # noqa: E402
 from common.infra.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 from common.infra.vllm_engine import (  # noqa: E402
     EngineArgs, EngineError, SamplingArgs, create_vllm_engine, default_max_num_seqs, resolve_max_model_len,
@@ -241,15 +242,21 @@ def response_positions(batch):
     return rows[order], cols[order] - 1, torch.bincount(sample, minlength=batch["num_samples"])
 
 
-def response_logits(model, batch):
+def response_logits(model, batch, split_over_ring=False):
     """(logits, targets (N,), loss tokens per sample) for the N loss tokens: logits[s:e] are tokens s..e-1's
-    float32 logits (e - s, V). Where the model's LM head runs chunked (head_chunk_tokens, --logps_chunk_tokens),
+    float32 logits (e - s, V). Where the model's LM head runs chunked (logps_chunk_tokens, --logps_chunk_tokens),
     logits is a HeadLogits that makes them on request from the final hidden states, never (N, V) at once; else the
-    (N, V) tensor itself."""
+    (N, V) tensor itself. `split_over_ring`: the ranks of the model's ring (--ring_attn_size > 1) share the batch,
+    each forwarding its slice (common.ring_attention.ring_response_logits)."""
+    chunk, ring = logps_chunk_tokens(model), model_settings(model).ring
+    if split_over_ring and ring is not None:
+        from common.ring_attention import ring_response_logits
+
+        return ring_response_logits(model, batch, ring, chunk)
     rows, cols, counts = response_positions(batch)
     targets = batch["input_ids"][rows, cols + 1]
-    if head_chunk_tokens(model):
-        return head_logits_at(model, batch, rows, cols), targets, counts
+    if chunk:
+        return head_logits_at(model, batch, rows, cols, chunk), targets, counts
     outputs = model(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
         use_cache=False,  # with the cache on, packed rows are silently attended as one sequence
@@ -550,15 +557,14 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
-        per_rank = batch_size // world.dp_world
-        local = step_indices[world.dp_rank * per_rank : (world.dp_rank + 1) * per_rank]
+        local = world.shard(step_indices)
         samples = samples_of(train_ds, local)
         on_policy = random.Random(args.train.seed * 1_000_003 + step).random() < args.lmbda  # same draw on every rank
         metrics = {}
         if on_policy:
             samples, vllm_logps, sync_s, gen_s = on_policy_samples(llm, sync, engine, samples, args, step)
             metrics.update({"perf/sync_s": sync_s, "perf/generate_s": gen_s})
-        chunks = [list(range(m, m + micro)) for m in range(0, per_rank, micro)]
+        chunks = [list(range(m, m + micro)) for m in range(0, len(local), micro)]
         micro_batches = [to_device(batch_fn([samples[j] for j in c]), device()) for c in chunks]
 
         # normaliser: loss tokens of the whole optimizer step, over every micro-batch and rank
@@ -566,8 +572,7 @@ def main(args: Args):
         lr = engine.get_lr()[0]
         step_kd = step_nll = step_gap = 0.0
         for chunk, batch in zip(chunks, micro_batches):
-            logits, targets, counts = (ring_response_logits(engine, batch, world.ring) if world.ring else
-                                       response_logits(engine, batch))
+            logits, targets, counts = response_logits(engine, batch, split_over_ring=True)
             from_teacher = (stack_cached(train_cache, [local[j] for j in chunk]) if train_cache is not None else
                             teacher_logits(teacher, batch))
             kd, ce, _ = token_losses(logits, targets, from_teacher, args, vocab)
@@ -585,7 +590,7 @@ def main(args: Args):
             "train/loss": (args.kd_coef * step_kd + ce_weight(args, on_policy) * step_nll) / step_tokens,
             "train/kd": step_kd / step_tokens, "train/nll": step_nll / step_tokens, "train/on_policy": float(on_policy),
             "train/lr": lr, "train/epoch": epoch, "train/grad_norm": grad_norm,
-            "perf/tokens_per_s": step_tokens / args.ring.ring_attn_size / (time.time() - t0)})
+            "perf/tokens_per_s": step_tokens / world.copies / (time.time() - t0)})
         if on_policy:
             gap = torch.tensor(step_gap, device=device())
             dist.all_reduce(gap, op=dist.ReduceOp.MAX)

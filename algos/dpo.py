@@ -53,8 +53,9 @@ from common.infra.engine import (  # noqa: E402
     parse_cli, resume, run, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args,
     validate_data_args, world_size_from_env,
 )
-from common.packing import collate, per_sample_sum, sharded_logps, to_device  # noqa: E402
-from common.ring_attention import RingArgs, ring_model_args, ring_response_logps, validate_ring_args  # noqa: E402
+from common.infra.rings import RingArgs, ring_model_args, validate_ring_args  # noqa: E402
+from common.logprobs import response_logps, sharded_logps  # noqa: E402
+from common.packing import collate, per_sample_sum, to_device  # noqa: E402
 from common.infra.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 
 
@@ -262,21 +263,20 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
-        per_rank = batch_size // world.dp_world
-        local = step_indices[world.dp_rank * per_rank : (world.dp_rank + 1) * per_rank]
+        local = world.shard(step_indices)
 
         lr = engine.get_lr()[0]
         sums = {}
-        for m in range(0, per_rank, micro):
+        for m in range(0, len(local), micro):
             idx = local[m : m + micro]
             batch = to_device(batch_fn(pair_samples(train_ds, idx)), device())
-            logps, outputs = ring_response_logps(engine, batch, world.ring)
+            logps, outputs = response_logps(engine, batch)
             chosen, rejected = logps[: len(idx)], logps[len(idx) :]
             if ref_cache is not None:
                 ref_chosen, ref_rejected = ref_cache[idx].unbind(1)
             else:
                 with torch.no_grad():
-                    ref_logps, _ = ring_response_logps(ref, batch, world.ring)
+                    ref_logps, _ = response_logps(ref, batch)
                 ref_chosen, ref_rejected = ref_logps[: len(idx)], ref_logps[len(idx) :]
             losses, r_w, r_l = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.ipo,
                                         args.label_smoothing)
@@ -290,14 +290,13 @@ def main(args: Args):
                 aux = args.model.aux_loss_coef * outputs.aux_loss
                 stats["aux_loss"] = outputs.aux_loss.item() * micro  # / step pairs = mean over micro-batches
             # the step's pairs, counted on every rank
-            grad_norm = backward_step(engine, loss_sum, per_rank * world.size, averaged=aux)
+            grad_norm = backward_step(engine, loss_sum, len(local) * world.size, averaged=aux)
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value
 
         global_step = step + 1
         totals = all_reduce_sum(list(sums.values()))
-        # (with --ring_attn_size, every rank of a ring counted the same pairs)
-        metrics = {f"train/{key}": total / (batch_size * args.ring.ring_attn_size) for key, total in zip(sums, totals)}
+        metrics = {f"train/{key}": total / (batch_size * world.copies) for key, total in zip(sums, totals)}
         metrics.update({"train/lr": lr, "train/epoch": epoch, "train/grad_norm": grad_norm,
                         "perf/pairs_per_s": batch_size / (time.time() - t0)})
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", acc=f"{metrics['train/rewards/accuracy']:.2f}")

@@ -61,7 +61,8 @@ from common.infra.engine import (  # noqa: E402
     CkptArgs, parse_cli, run, script_ckpt_args, validate_common_args,
 )
 from common.infra.trainer_actor import TrainerSpec, each_ring, per_token, start_group, start_ranks  # noqa: E402
-from common.ring_attention import ring_model_args, ring_token_logps, validate_ring_args  # noqa: E402
+from common.infra.rings import ring_model_args, validate_ring_args  # noqa: E402
+from common.logprobs import token_logps  # noqa: E402
 from common.rollout import (  # noqa: E402
     RLArgs, collect_rollout, evaluate, kl_to_reference, load_prompts, mismatch_metrics, model_tokens, off_policy,
     rollout_metrics, rollout_samples, split_steps,
@@ -396,7 +397,7 @@ def micro_batch_loss(model, batch, args, ring=None):
     """The policy loss of one collated micro-batch, summed as the step's normaliser expects (see aggregate); returns
     (loss, metric sums). Without "old_logps" in the batch (single_update) the current log-probs stand in for them,
     detached."""
-    logps, outputs = ring_token_logps(model, batch, ring, return_entropy=True)
+    logps, outputs = token_logps(model, batch, return_entropy=True, ring=ring)
     mask = batch["loss_mask"]
     old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)

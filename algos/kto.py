@@ -56,8 +56,9 @@ from common.infra.engine import (  # noqa: E402
     parse_cli, resume, run, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args,
     validate_data_args, world_size_from_env,
 )
-from common.packing import collate, sharded_logps, to_device  # noqa: E402
-from common.ring_attention import RingArgs, ring_model_args, ring_response_logps, validate_ring_args  # noqa: E402
+from common.infra.rings import RingArgs, ring_model_args, validate_ring_args  # noqa: E402
+from common.logprobs import response_logps, sharded_logps  # noqa: E402
+from common.packing import collate, to_device  # noqa: E402
 from common.infra.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 
 
@@ -353,14 +354,14 @@ def main(args: Args):
                 with torch.no_grad():
                     both = to_device(batch_fn(kto_samples(train_ds, examples + mismatched, args.data.max_len)),
                                      device())
-                    ref_both, _ = ring_response_logps(ref, both, world.ring)
+                    ref_both, _ = response_logps(ref, both)
                 ref_logps, ref_kl_logps = ref_both[: len(idx)], ref_both[len(idx) :]
             with torch.no_grad():  # the reference point needs no gradient: a forward-only pass
                 kl_batch = to_device(batch_fn(kto_samples(train_ds, mismatched, args.data.max_len)), device())
-                kl_logps, _ = ring_response_logps(engine, kl_batch, world.ring)
+                kl_logps, _ = response_logps(engine, kl_batch)
             z = kl_reference_point(kl_logps, ref_kl_logps)
             batch = to_device(batch_fn(kto_samples(train_ds, examples, args.data.max_len)), device())
-            logps, outputs = ring_response_logps(engine, batch, world.ring)
+            logps, outputs = response_logps(engine, batch)
             labels = labels_all[idx]
             losses, rewards = kto_loss(logps, ref_logps, labels, z, args.beta, args.desirable_loss_weight,
                                        args.undesirable_loss_weight)
@@ -376,7 +377,7 @@ def main(args: Args):
 
         global_step = step + 1
         totals = dict(zip(sums, all_reduce_sum(list(sums.values()))))
-        metrics = stats_to_metrics(totals, batch_size * args.ring.ring_attn_size, "train")  # a ring counts alike
+        metrics = stats_to_metrics(totals, batch_size * world.copies, "train")  # a ring counts alike
         metrics.update({"train/lr": lr, "train/epoch": epoch, "train/grad_norm": grad_norm,
                         "perf/examples_per_s": batch_size / (time.time() - t0)})
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", kl=f"{metrics['train/kl']:.3f}")

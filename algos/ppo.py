@@ -54,9 +54,8 @@ from common.infra.engine import (  # noqa: E402
 )
 from common.infra.trainer_actor import TrainerSpec, each_ring, per_token, start_group, start_ranks  # noqa: E402
 from common.packing import unwrap  # noqa: E402
-from common.ring_attention import (  # noqa: E402
-    ring_forward, ring_model_args, ring_next_token_values, ring_token_logps, validate_ring_args,
-)
+from common.infra.rings import ring_model_args, validate_ring_args  # noqa: E402
+from common.logprobs import token_logps  # noqa: E402
 from common.rollout import (  # noqa: E402
     RLArgs, collect_rollout, evaluate, kl_to_reference, load_prompts, mismatch_metrics, model_tokens, off_policy,
     prompt_at, rollout_metrics, rollout_samples, split_steps,
@@ -460,7 +459,7 @@ def micro_batch_loss(model, batch, args, ring=None):
     """The policy loss of one collated micro-batch, summed as the step's normaliser expects (see aggregate); returns
     (loss, metric sums). Without "old_logps" in the batch (single_update) the current log-probs stand in for them,
     detached."""
-    logps, outputs = ring_token_logps(model, batch, ring, return_entropy=True)
+    logps, outputs = token_logps(model, batch, return_entropy=True, ring=ring)
     mask = batch["loss_mask"]
     old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
@@ -510,7 +509,7 @@ def loss_mode(args):
 
 def ptx_loss(model, batch, ring=None):
     """PPO-ptx: the token-mean language-modelling loss of a collated micro-batch of pretraining text."""
-    logps, _ = ring_token_logps(model, batch, ring)
+    logps, _ = token_logps(model, batch, ring=ring)
     return -(logps * batch["loss_mask"]).sum() / batch["loss_mask"].sum().clamp(min=1)
 
 
@@ -528,6 +527,8 @@ def token_values(model, batch, value_head_prefix="score", ring=None):
     handle = getattr(unwrap(model), value_head_prefix).register_forward_hook(lambda m, a, out: values.append(out))
     try:
         if ring is not None:  # this rank's slice of the row; the values of the whole row are gathered below
+            from common.ring_attention import ring_forward
+
             ring_forward(model, batch, ring)
         else:  # with the cache on, packed rows are silently attended as one sequence
             model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
@@ -535,6 +536,8 @@ def token_values(model, batch, value_head_prefix="score", ring=None):
     finally:
         handle.remove()
     if ring is not None:
+        from common.ring_attention import ring_next_token_values
+
         return ring_next_token_values(values[0][0, :, 0].float(), batch, ring)
     out = torch.nn.functional.pad(values[0].squeeze(-1)[:, :-1].float(), (1, 0))
     return out.masked_fill(batch["position_ids"] == 0, 0.0)

@@ -46,8 +46,8 @@ from common.infra.engine import (  # noqa: E402
     world_size_from_env,
 )
 from common.packing import collate, to_device, unwrap  # noqa: E402
-from common.infra.reward import lockstep_forwards  # noqa: E402
-from common.ring_attention import RingArgs, ring_model_args, ring_sequence_rewards, validate_ring_args  # noqa: E402
+from common.infra.reward import lockstep_forwards, sequence_rewards  # noqa: E402
+from common.infra.rings import RingArgs, ring_model_args, validate_ring_args  # noqa: E402
 from common.infra.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 
 
@@ -291,7 +291,7 @@ def forward_loss(engine, batch, args: Args, reward_ids, ring=None):
         losses = prm_loss(step_logits, targets)
         correct = ((step_logits[:, 0] > step_logits[:, 1]) == (targets >= 0.5)).sum()
         return losses.sum(), {"units": len(losses), "loss": losses.sum().item(), "correct": correct.item()}
-    rewards = ring_sequence_rewards(engine, batch, ring, args.value_head_prefix)
+    rewards = sequence_rewards(engine, batch, args.value_head_prefix, ring)
     m = len(rewards) // 2
     chosen, rejected = rewards[:m], rewards[m:]
     losses = pairwise_loss(chosen, rejected, batch["margin"] if args.margin_loss else None)
@@ -386,14 +386,12 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
-        per_rank = batch_size // world.dp_world
-        local = step_indices[world.dp_rank * per_rank : (world.dp_rank + 1) * per_rank]
         micro_batches = [to_device(make_batch(s, args, pad_id, engine.layout), device())
-                         for s in micro_batches_of(train_ds, local, micro, args)]
+                         for s in micro_batches_of(train_ds, world.shard(step_indices), micro, args)]
 
         # normaliser: pairs (or labelled steps) of the whole optimizer step, over every micro-batch and rank (the
         # ranks of a ring each count the pairs they share)
-        step_units = batch_size * args.ring.ring_attn_size
+        step_units = batch_size * world.copies
         if args.prm:
             (step_units,) = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in micro_batches)])
         lr = engine.get_lr()[0]

@@ -28,8 +28,9 @@ from common.infra.engine import (  # noqa: E402
     parse_cli, resume, run, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args,
     validate_data_args, world_size_from_env,
 )
-from common.packing import collate, lockstep_shard, per_sample_sum, to_device, token_logps  # noqa: E402
-from common.ring_attention import RingArgs, ring_model_args, ring_token_logps, validate_ring_args  # noqa: E402
+from common.infra.rings import RingArgs, ring_model_args, validate_ring_args  # noqa: E402
+from common.logprobs import token_logps  # noqa: E402
+from common.packing import collate, lockstep_shard, per_sample_sum, to_device  # noqa: E402
 from common.infra.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 
 
@@ -129,7 +130,7 @@ def evaluate(engine, eval_ds, args, pad_id):
         (samples,) = batches_of(eval_ds, padded[start : start + micro], micro)
         valid = len(mine[start : start + micro])  # the padding repeats item 0: count only real items
         batch = to_device(make_batch(samples, args, pad_id, engine.layout), device())
-        logps, _, hits = token_logps(engine, batch, return_argmax=True)
+        logps, _, hits = token_logps(engine, batch, return_argmax=True, ring=None)  # each rank its own items
         mask = batch["loss_mask"]
         nll -= per_sample_sum(logps * mask, batch)[:valid].sum().item()
         tokens += per_sample_sum(mask, batch)[:valid].sum().item()
@@ -183,17 +184,15 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
-        per_rank = batch_size // world.dp_world
-        local = step_indices[world.dp_rank * per_rank : (world.dp_rank + 1) * per_rank]
         micro_batches = [to_device(make_batch(s, args, pad_id, engine.layout), device())
-                         for s in batches_of(train_ds, local, micro)]
+                         for s in batches_of(train_ds, world.shard(step_indices), micro)]
 
         # normaliser: loss tokens of the whole optimizer step, over every micro-batch and rank
         (step_tokens,) = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in micro_batches)])
         lr = engine.get_lr()[0]
         step_nll = step_aux = 0.0
         for batch in micro_batches:
-            logps, outputs = ring_token_logps(engine, batch, world.ring)
+            logps, outputs = token_logps(engine, batch)
             nll = -(logps * batch["loss_mask"]).sum()
             aux = 0.0
             if args.model.aux_loss_coef > 0:  # MoE load balancing, a mean per micro-batch as DeepSpeed averages it
@@ -205,7 +204,7 @@ def main(args: Args):
         global_step = step + 1
         step_nll, step_aux = all_reduce_sum([step_nll, step_aux])
         metrics = {"train/loss": step_nll / step_tokens, "train/lr": lr, "train/epoch": epoch,
-                   "perf/tokens_per_s": step_tokens / args.ring.ring_attn_size / (time.time() - t0),
+                   "perf/tokens_per_s": step_tokens / world.copies / (time.time() - t0),
                    "perf/samples_per_s": batch_size / (time.time() - t0), "train/grad_norm": grad_norm}
         if args.model.aux_loss_coef > 0:
             metrics["train/aux_loss"] = step_aux

@@ -22,7 +22,8 @@ import tyro
 
 from common.kernels import varlen_attention
 from common.infra.engine import cpu_has_native_bf16
-from common.packing import collate, response_logps
+from common.logprobs import response_logps
+from common.packing import collate
 
 
 @dataclass

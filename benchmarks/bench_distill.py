@@ -28,6 +28,7 @@ import torch
 import tyro
 
 from common.data import DataArgs
+from common.logprobs import ModelSettings
 from common.packing import collate, to_device
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,7 +99,7 @@ def main(args: Args):
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     def load(path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(dev)
-        model.logps_chunk_tokens = args.logps_chunk_tokens  # as common.infra.engine.load_causal_lm sets it
+        model.minrlhf = ModelSettings(logps_chunk_tokens=args.logps_chunk_tokens)  # as load_causal_lm sets it
         return model
 
     teacher = load(args.teacher).eval().requires_grad_(False)

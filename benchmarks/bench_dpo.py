@@ -95,7 +95,7 @@ def sample(prompt, response):
 
 
 def padded_sums(model, samples, pad_id, dev):
-    from common.packing import token_logps
+    from common.logprobs import token_logps
 
     batch = to_device(collate(samples, pad_id, packing=False), dev)
     logps, _ = token_logps(model, batch)

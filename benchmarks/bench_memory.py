@@ -4,7 +4,7 @@ logits.
 The model has Qwen2.5-0.5B's published shape (hidden 896, 24 layers, 14 query / 2 KV heads, head_dim 64,
 intermediate 4,864, vocab 151,936, tied embeddings), built locally with random weights; the micro-batch is one
 packed row of random token ids (several samples, as common.packing.collate lays them out for the varlen_sdpa
-kernel). One measured step is common.packing.token_logps, loss = masked mean NLL, backward (no optimizer), after
+kernel). One measured step is common.logprobs.token_logps, loss = masked mean NLL, backward (no optimizer), after
 `--warmup` unmeasured steps. Each configuration runs in a fresh subprocess so peaks do not carry over: peak RSS
 (getrusage's ru_maxrss, the process's high-water mark) on CPU, torch.cuda.max_memory_allocated on CUDA, beside the
 memory held before the measured step (the model, and the gradients of a warm-up step). A configuration whose
@@ -74,7 +74,8 @@ def run_one(args):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from common.kernels.varlen_attention import NAME  # registers varlen_sdpa
-    from common.packing import to_device, token_logps
+    from common.logprobs import ModelSettings, token_logps
+    from common.packing import to_device
 
     torch.manual_seed(0)
     cuda = torch.cuda.is_available()
@@ -85,7 +86,7 @@ def run_one(args):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config.use_cache = False
     model.train()
-    model.logps_chunk_tokens = args.chunk
+    model.minrlhf = ModelSettings(logps_chunk_tokens=args.chunk)
     if args.checkpointing == "on":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     batch = to_device(packed_row(args.tokens, args.samples, SHAPE["vocab_size"]), device)

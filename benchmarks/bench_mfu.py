@@ -61,7 +61,8 @@ def run(layers=None, tokens=None, warmup=2, steps=5):
 
     import common.kernels.varlen_attention  # noqa: F401  (registers varlen_sdpa)
     from common.infra.engine import cpu_has_native_bf16
-    from common.packing import collate, to_device, token_logps
+    from common.logprobs import token_logps
+    from common.packing import collate, to_device
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

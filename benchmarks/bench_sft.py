@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 import tyro
 
-from common.packing import collate, to_device, token_logps
+from common.logprobs import token_logps
+from common.packing import collate, to_device
 from common.kernels.varlen_attention import NAME as VARLEN
 
 

@@ -1,7 +1,7 @@
 """Packing: variable-length samples in rows with `position_ids` restarting at 0 per sample and no
 attention mask. With a per-sample kernel (varlen_sdpa: torch's varlen flash kernels on CUDA, its own on CPU) a
 micro-batch is one row; with masked attention (sdpa, eager) samples are bin-packed into bounded rows.
-Plus the padded layout kept for comparison, and the per-token log-prob forward both share.
+Plus the padded layout kept for comparison; common.logprobs forwards either.
 
 A sample is a dict with `input_ids` (list of ints) and `loss_mask` (list of 0/1: 1 where the token
 is a target whose log-prob counts).
@@ -12,31 +12,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from common.infra.gpu import PACKED
-
-
-def pack_sequences(lengths, max_tokens):
-    """First-fit-decreasing bin packing: lists of sample indices whose lengths sum to <= max_tokens."""
-    rows, room = [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if lengths[i] > max_tokens:
-            raise ValueError(f"sample {i} has {lengths[i]} tokens, more than the row limit {max_tokens}")
-        for r, free in enumerate(room):
-            if lengths[i] <= free:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            room.append(max_tokens - lengths[i])
-    return rows
+from common.kernels import VARLEN_SDPA
+from common.kernels.bins import pack_sequences
 
 
 def unwrap(model):
-    """The Hugging Face model inside a DeepSpeed engine and / or a peft wrapper (token_logps and the reward and value
-    heads take either)."""
+    """The Hugging Face model inside a DeepSpeed engine and / or a peft wrapper (the reward and value heads take
+    either)."""
     model = getattr(model, "module", model)  # DeepSpeed engine
     return model.get_base_model() if hasattr(model, "get_base_model") else model  # peft
 
@@ -46,8 +29,8 @@ def one_row_per_batch(attn_implementation=None):
     (flash-attention's varlen, common.kernels.varlen_attention's varlen_sdpa) do Σ lᵢ² work on any row
     length, so one row needs no padding; masked attention (sdpa, eager) does L², so rows stay short.
     None is the default kernel, varlen_sdpa on every device."""
-    name = attn_implementation or PACKED
-    return name.startswith("flash") or name == PACKED
+    name = attn_implementation or VARLEN_SDPA
+    return name.startswith("flash") or name == VARLEN_SDPA
 
 
 @dataclass(frozen=True)
@@ -64,7 +47,7 @@ class Layout:
 def batch_layout(attn_implementation, ring=None):
     """The Layout for a model loaded with `attn_implementation`, split over `ring` or not."""
     return Layout(one_row=ring is not None or one_row_per_batch(attn_implementation),
-                  share_prefixes=ring is None and attn_implementation == PACKED)
+                  share_prefixes=ring is None and attn_implementation == VARLEN_SDPA)
 
 
 def collate(samples, pad_token_id, packing=True, max_tokens=None, one_row=False, share_prefixes=False):
@@ -79,7 +62,7 @@ def collate(samples, pad_token_id, packing=True, max_tokens=None, one_row=False,
     positions): a sample with `prefix_of` j and `prefix_len` s, whose first s tokens are sample j's, is
     laid out right after sample j without them, its positions starting at s (a branch). Its span holds
     its own tokens only, and `branch_starts` lists (row, token, source) where the logits predicting a
-    branch's first token sit (its root's token s - 1) for token_logps.
+    branch's first token sit (its root's token s - 1) for common.logprobs.token_logps.
     """
     shared = [s.get("prefix_len", 0) if share_prefixes else 0 for s in samples]
     if share_prefixes:
@@ -143,61 +126,6 @@ def to_device(batch, device):
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def token_logps(model, batch, return_argmax=False, return_entropy=False):
-    """Forward a collated batch; returns (logps, outputs[, argmax]) where logps[:, t] is
-    log p(input_ids[:, t] | earlier tokens of its sample) (0 at each sample's first token),
-    aligned with `loss_mask`. With `return_entropy`, `outputs.entropy` is each position's next-token entropy
-    laid out the same way (0 at column 0; differentiable).
-
-    Where `head_chunk_tokens(model)` is not 0 the LM head runs chunked (common.kernels.chunked_head): the model
-    produces no logits, and `outputs` is a HeadOutputs whose fields are the model's (aux_loss, ...) and whose
-    `logits` are computed on first read from the kept final hidden states (the whole (tokens x vocab) again, for
-    callers that still read them)."""
-    from common.kernels.chunked_head import chunked_token_logps, head_chunk_tokens
-
-    chunk = head_chunk_tokens(model)
-    if chunk:
-        return chunked_token_logps(model, batch, chunk, return_argmax, return_entropy)
-    outputs = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-        use_cache=False,  # with the cache on, packed rows are silently attended as one sequence
-    )
-    logits = outputs.logits[:, :-1].float()
-    targets = batch["input_ids"][:, 1:]
-    logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    starts = batch["position_ids"] == 0  # a sample's first token is not predicted from inside the sample
-    logps = F.pad(logps, (1, 0)).masked_fill(starts, 0.0)
-    hits = F.pad(logits.argmax(-1) == targets, (1, 0)) & ~starts if return_argmax else None
-    if return_entropy:
-        outputs.entropy = F.pad(_entropy(logits), (1, 0))
-    branches = branch_source_logits(outputs.logits, batch)
-    if branches is not None:  # a shared-prefix branch's first token: predicted from its root's prefix
-        rows, tokens, source_logits = branches
-        branch_targets = batch["input_ids"][rows, tokens]
-        values = source_logits.gather(-1, branch_targets[:, None]).squeeze(-1) - torch.logsumexp(source_logits, -1)
-        logps = logps.index_put((rows, tokens), values)
-        if return_argmax:
-            hits = hits.index_put((rows, tokens), source_logits.argmax(-1) == branch_targets)
-        if return_entropy:
-            outputs.entropy = outputs.entropy.index_put((rows, tokens), _entropy(source_logits))
-    return (logps, outputs, hits) if return_argmax else (logps, outputs)
-
-
-def _entropy(logits):
-    logps = logits.float().log_softmax(-1)
-    return -(logps.exp() * logps).sum(-1)
-
-
-def branch_source_logits(logits, batch):
-    """(rows, tokens, logits (n, vocab) in float32) for the first token of each shared-prefix branch of the
-    batch (collate's share_prefixes), whose prediction sits at its root's token s - 1 rather than at the
-    token before it in the row; None without branches."""
-    if not batch.get("branch_starts"):
-        return None
-    rows, tokens, sources = torch.tensor(batch["branch_starts"], device=logits.device).unbind(1)
-    return rows, tokens, logits[rows, sources].float()
-
-
 def per_sample_sum(values, batch):
     """Sum token values (already masked as wanted) per sample, in the order samples were given."""
     index = batch["sample_index"]
@@ -211,34 +139,9 @@ def unpack(values, batch):
     return [values[r, s : s + n] for r, s, n in batch["spans"]]
 
 
-def response_logps(model, batch):
-    """Sum of the loss-token (response) log-probs of each sample; returns (sums, model outputs)."""
-    logps, outputs = token_logps(model, batch)
-    return per_sample_sum(logps * batch["loss_mask"], batch), outputs
-
-
 def lockstep_shard(n):
     """This rank's items of 0..n-1 (round robin), padded with item 0 so every rank has the same
     count: under ZeRO-3 each forward gathers weights collectively, so ranks must run as many."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine = list(range(rank, n, world))
     return mine, mine + [0] * (math.ceil(n / world) - len(mine))
-
-
-@torch.no_grad()
-def sharded_logps(model, n, samples_of, micro, batch_fn, device):
-    """Response log-prob sums of items 0..n-1, computed with the items split over the ranks and
-    summed back: shape (n, k) on every rank, where samples_of(items) gives k samples per item,
-    grouped (every item's first sample, then every item's second, ...)."""
-    mine, padded = lockstep_shard(n)
-    out = None
-    for start in range(0, len(padded), micro):
-        chunk, valid = padded[start : start + micro], mine[start : start + micro]
-        sums, _ = response_logps(model, to_device(batch_fn(samples_of(chunk)), device))
-        sums = sums.view(-1, len(chunk)).T
-        if out is None:
-            out = torch.zeros(n, sums.shape[1], dtype=sums.dtype, device=sums.device)
-        out[valid] = sums[: len(valid)]
-    if dist.is_initialized():
-        dist.all_reduce(out)
-    return out

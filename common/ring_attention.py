@@ -5,10 +5,13 @@ the ring: ring-flash-attn 0.1.8's `llama3_flash_attn_varlen_func`, registered wi
 installed, else over torch's own flash kernels (bf16 / fp16); on CPU over common.kernels.varlen_attention's kernels;
 both stand-ins are shown to ring-flash-attn as flash_attn only while it imports.
 
+Opt-in: imported only where --ring_attn_size > 1 (by common.logprobs, common.infra.engine, common.infra.rings and
+common.infra.reward, in the branch that has a ring); it imports only the kernels.
+
 `ring_token_logps` pads a one-row micro-batch to a multiple of the ring size, forwards this rank's slice with its
 global position ids (next-token targets taken before the split; sample boundaries passed as the `ring_params`
 call keyword) and all-gathers the log-probs with an autograd all-gather: it returns what
-`common.packing.token_logps` returns for the whole row, through the chunked LM head (common.kernels.chunked_head)
+`common.logprobs.token_logps` returns for the whole row, through the chunked LM head (common.kernels.chunked_head)
 where token_logps would take it (the slice's tokens through the head, their targets from the whole row).
 DeepSpeed counts every rank as data-parallel, so it gets `train_batch_size x ring size`; a loss normalised by a
 token count all-reduced over the world needs no change (the gather's backward sums ring-size equal copies of each
@@ -17,7 +20,7 @@ gradient, which that count cancels).
 
 import sys
 import types
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -25,50 +28,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from common.kernels.chunked_head import HeadLogits, forward_without_logits, head_chunk_tokens, head_token_values
-from common.packing import per_sample_sum, token_logps, unwrap
+from common.kernels.chunked_head import HeadLogits, forward_without_logits, head_token_values
 from common.kernels.varlen_attention import cu_seqlens_from_position_ids, varlen_attention_forward, varlen_backward
 from common.kernels.varlen_attention import varlen_forward
 
 NAME = "ring_attention"
-
-
-@dataclass
-class RingArgs:
-    ring_attn_size: int = 1
-    """Ranks per attention ring: each packed row is split over this many consecutive ranks (1: no ring)."""
-    ring_head_stride: int = 1
-    """KV heads all-gathered per step inside a ring (must divide the model's KV head count)."""
-
-
-def validate_ring_args(ring: RingArgs, world_size, model=None, data=None):
-    """Checks that need no model (raise ValueError naming the flag); ring_model_args then makes the ring the
-    attention implementation. Returns the data-parallel size, world / ring size, for the batch arithmetic."""
-    if ring.ring_attn_size < 1 or world_size % ring.ring_attn_size:
-        raise ValueError(f"--ring_attn_size {ring.ring_attn_size} must divide the world size {world_size}")
-    if ring.ring_head_stride < 1:
-        raise ValueError(f"--ring_head_stride must be >= 1, got {ring.ring_head_stride}")
-    if ring.ring_attn_size == 1:
-        return world_size
-    if data is not None and not data.packing_samples:
-        raise ValueError("--ring_attn_size > 1 splits one packed row per micro-batch: drop --no_packing_samples")
-    if data is not None and data.pack_max_tokens:
-        raise ValueError("--pack_max_tokens does not apply with --ring_attn_size > 1 (each micro-batch is one row, "
-                         "split over the ring: size it with --micro_train_batch_size)")
-    if model is not None:
-        if model.attn_implementation not in (None, NAME):
-            raise ValueError(f"--attn_implementation {model.attn_implementation} cannot run with --ring_attn_size > 1 "
-                             f"(the ring is the attention implementation {NAME!r}): drop --attn_implementation")
-        if model.aux_loss_coef > 0:
-            raise ValueError("--aux_loss_coef with --ring_attn_size > 1 is not supported (the router loss would be "
-                             "averaged over slices, not over the row)")
-    return world_size // ring.ring_attn_size
-
-
-def ring_model_args(model, ring: RingArgs):
-    """The model's option group (common.infra.engine.ModelArgs) with the ring as its attention implementation where
-    --ring_attn_size > 1 (validate_ring_args refused any other); unchanged otherwise."""
-    return replace(model, attn_implementation=NAME) if ring.ring_attn_size > 1 else model
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,6 +90,19 @@ def _torch_flash_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu
         causal, no_dropout, torch.empty(0, device=q.device), scale=softmax_scale)
     for buffer, grad in zip((dq, dk, dv), grads):
         buffer.copy_(grad)
+
+
+def ring_kernel(device_type, dtype, flash_attn_installed):
+    """What ring-flash-attn runs over: 'flash_attn' (installed, CUDA, bf16 / fp16), 'torch_flash' (torch's
+    aten flash ops, CUDA, bf16 / fp16) or 'cpu' (common.kernels.varlen_attention's kernels); ValueError for fp32
+    on CUDA, which neither flash kernel takes. A pure function of the facts it names, so a CPU test pins what a
+    CUDA run does."""
+    if device_type == "cpu":
+        return "cpu"
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"--ring_attn_size > 1 on CUDA runs flash kernels, which take bf16 / fp16, not "
+                         f"{str(dtype).split('.')[-1]}: set --param_dtype bf16")
+    return "flash_attn" if flash_attn_installed else "torch_flash"
 
 
 def _by_device(cpu, cuda):
@@ -192,9 +169,9 @@ class Ring:
     """Number of rings (data-parallel size)."""
 
 
-def setup_ring(ring: RingArgs):
-    """The rings of consecutive ranks (every rank creates every group, in the same order); None with
-    --ring_attn_size 1."""
+def setup_ring(ring):
+    """The rings of consecutive ranks for `ring` (common.infra.rings.RingArgs; every rank creates every group, in
+    the same order); None with --ring_attn_size 1."""
     if ring.ring_attn_size == 1:
         return None
     rank, world, n = dist.get_rank(), dist.get_world_size(), ring.ring_attn_size
@@ -205,6 +182,23 @@ def setup_ring(ring: RingArgs):
             mine = group
     return Ring(size=n, rank=rank % n, group=mine, head_stride=ring.ring_head_stride, dp_rank=rank // n,
                 dp_world=world // n)
+
+
+def check_ring_args(model=None, data=None):
+    """The checks of --ring_attn_size > 1 against the model's and the data's option groups
+    (common.infra.engine.ModelArgs, common.data.DataArgs) that need no model: ValueError naming the flag."""
+    if data is not None and not data.packing_samples:
+        raise ValueError("--ring_attn_size > 1 splits one packed row per micro-batch: drop --no_packing_samples")
+    if data is not None and data.pack_max_tokens:
+        raise ValueError("--pack_max_tokens does not apply with --ring_attn_size > 1 (each micro-batch is one row, "
+                         "split over the ring: size it with --micro_train_batch_size)")
+    if model is not None:
+        if model.attn_implementation not in (None, NAME):
+            raise ValueError(f"--attn_implementation {model.attn_implementation} cannot run with --ring_attn_size > 1 "
+                             f"(the ring is the attention implementation {NAME!r}): drop --attn_implementation")
+        if model.aux_loss_coef > 0:
+            raise ValueError("--aux_loss_coef with --ring_attn_size > 1 is not supported (the router loss would be "
+                             "averaged over slices, not over the row)")
 
 
 def check_ring_model(model, ring):
@@ -247,8 +241,6 @@ def ring_attention_forward(module, query, key, value, attention_mask, scaling=No
         raise ValueError("ring attention takes one packed row, full causal attention, no mask, softcap or dropout")
     ring_fn, _ = import_ring_flash_attn()
     if query.is_cuda:  # fp32 on CUDA: neither flash kernel takes it; refused here, at the first forward
-        from common.infra.gpu import ring_kernel
-
         ring_kernel("cuda", value.dtype, "flash_attn" in sys.modules)
     # under CPU autocast the rotary embedding hands back fp32 queries and keys beside bf16 values: attend in fp32
     dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
@@ -298,20 +290,16 @@ def ring_forward(model, batch, ring, without_logits=False):
 def ring_next_token_values(local, batch, ring):
     """Per-position values of this rank's slice (local len,), each about the token after its position (as the
     log-prob of the next token is), all-gathered over the ring (autograd) and laid out like
-    common.packing.token_logps: (1, width), column t about token t, 0 at each sample's first token."""
+    common.logprobs.token_logps: (1, width), column t about token t, 0 at each sample's first token."""
     full = _gather(local, ring)[None, : batch["input_ids"].shape[1] - 1]
     return F.pad(full, (1, 0)).masked_fill(batch["position_ids"] == 0, 0)
 
 
-def ring_token_logps(model, batch, ring, return_argmax=False, return_entropy=False):
-    """`common.packing.token_logps` for a one-row batch split over `ring`: the same (logps, outputs[, argmax])
+def ring_token_logps(model, batch, ring, chunk, return_argmax=False, return_entropy=False):
+    """`common.logprobs.token_logps` for a one-row batch split over `ring`: the same (logps, outputs[, argmax])
     for the whole row on every rank of the ring (`outputs` are this rank's slice's model outputs, with
-    `outputs.entropy` for the whole row when asked). Where head_chunk_tokens(model) is not 0 the slice's LM head
-    runs chunked, as in token_logps (`outputs` a HeadOutputs, the slice's logits computed on read). With ring None,
-    common.packing.token_logps itself."""
-    if ring is None:
-        return token_logps(model, batch, return_argmax=return_argmax, return_entropy=return_entropy)
-    chunk = head_chunk_tokens(model)
+    `outputs.entropy` for the whole row when asked). Where `chunk` (common.kernels.chunked_head.head_chunk_tokens)
+    is not 0 the slice's LM head runs chunked (`outputs` a HeadOutputs, the slice's logits computed on read)."""
     outputs, input_ids, lo, hi = ring_forward(model, batch, ring, without_logits=bool(chunk))
     targets = F.pad(input_ids[0], (0, 1))[lo + 1 : hi + 1]  # next tokens, taken from the whole row
     if chunk:
@@ -335,38 +323,19 @@ def ring_token_logps(model, batch, ring, return_argmax=False, return_entropy=Fal
     return logps, outputs
 
 
-def ring_sequence_rewards(model, batch, ring, value_head_prefix="score"):
-    """`common.infra.reward.sequence_rewards` for a one-row batch split over `ring`: every rank's value-head outputs
-    are gathered over the ring (autograd), then read at each sample's own last token. With ring None,
-    common.infra.reward.sequence_rewards itself."""
-    from common.infra.reward import reward_index, sequence_rewards
-
-    if ring is None:
-        return sequence_rewards(model, batch, value_head_prefix)
-    hf_model, values = unwrap(model), []
-    handle = getattr(hf_model, value_head_prefix).register_forward_hook(lambda module, args, out: values.append(out))
-    try:
-        ring_forward(model, batch, ring)
-    finally:
-        handle.remove()
-    flat = _gather(values[0][0, :, 0], ring)[: batch["input_ids"].shape[1]]
-    return flat[reward_index(batch)].float()
+def ring_row_values(local, batch, ring):
+    """Per-token values of this rank's slice (local len,), all-gathered over the ring (autograd) into the whole
+    row's (width,): a value head's outputs, read at each sample's last token by common.infra.reward."""
+    return _gather(local, ring)[: batch["input_ids"].shape[1]]
 
 
-def ring_response_logps(model, batch, ring):
-    """`common.packing.response_logps` through ring_token_logps: per-sample sums of the loss tokens' log-probs."""
-    logps, outputs = ring_token_logps(model, batch, ring)
-    return per_sample_sum(logps * batch["loss_mask"], batch), outputs
-
-
-def ring_response_logits(model, batch, ring):
+def ring_response_logits(model, batch, ring, chunk):
     """For a one-row batch split over `ring`: (logits, targets (N,), loss tokens per sample) of the N loss tokens
     in row order, as algos/distill.py's response_logits gives them. Each rank runs its slice; the rows that predict
-    the loss tokens are all-gathered (autograd): where head_chunk_tokens(model) is not 0 their final hidden states,
-    so logits is a HeadLogits that makes (chunk, V) at a time, else their float32 (N, V) logits."""
+    the loss tokens are all-gathered (autograd): where `chunk` (head_chunk_tokens) is not 0 their final hidden
+    states, so logits is a HeadLogits that makes (chunk, V) at a time, else their float32 (N, V) logits."""
     mask, index = batch["loss_mask"][0], batch["sample_index"][0]
     cols = mask.nonzero().squeeze(1)  # one row, samples in order: row order is sample order
-    chunk = head_chunk_tokens(model)
     outputs, input_ids, lo, hi = ring_forward(model, batch, ring, without_logits=bool(chunk))
     local = hi - lo
     owner = (cols - 1) // local  # the rank whose slice holds the position that predicts each loss token

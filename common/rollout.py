@@ -19,10 +19,10 @@ from common.episodes import AgentArgs, Episode, episode_sample, run_episodes
 from common.infra.cluster import ClusterArgs, generate
 from common.infra.datasets import load_one
 from common.infra.engine import CkptArgs, ModelArgs, TrainArgs
+from common.infra.rings import RingArgs
 from common.infra.tracking import LogArgs
 from common.infra.vllm_engine import EngineArgs, SamplingArgs
 from common.packing import collate
-from common.ring_attention import RingArgs
 
 
 @dataclass

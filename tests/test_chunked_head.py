@@ -1,5 +1,5 @@
 """The chunked LM head (common.kernels.chunked_head) equals the whole-logits path in fp32: the autograd function on
-random tensors, and common.packing.token_logps through tiny Llama, Qwen2 (tied embeddings) and Mistral models,
+random tensors, and common.logprobs.token_logps through tiny Llama, Qwen2 (tied embeddings) and Mistral models,
 with LoRA (on the attention, and on lm_head: the head-module path) and with shared-prefix branches: log-probs,
 entropy, argmax hits and every gradient. ZeRO-3 and the ring run in tests/test_ring_attention.py's torchrun."""
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.kernels.chunked_head import chunked_head, head_chunk_tokens
-from common.packing import collate, token_logps
+from common.kernels.chunked_head import chunked_head
+from common.logprobs import ModelSettings, logps_chunk_tokens, token_logps
+from common.packing import collate
 
 pytestmark = pytest.mark.quick  # the quick tier (launch/test.sh --quick)
 
@@ -138,8 +139,8 @@ def test_token_logps_chunked_equals_whole(assets, kind):
     weights = torch.linspace(0.5, 1.5, batch["input_ids"].shape[1])
     results = []
     for chunk in (0, 16):
-        unwrap(model).logps_chunk_tokens = chunk
-        assert head_chunk_tokens(model) == chunk
+        unwrap(model).minrlhf = ModelSettings(logps_chunk_tokens=chunk)
+        assert logps_chunk_tokens(model) == chunk
         model.zero_grad()
         logps, outputs, hits = token_logps(model, batch, return_argmax=True, return_entropy=True)
         mask = batch["loss_mask"]
@@ -169,13 +170,13 @@ def test_where_the_chunked_head_applies(assets, tmp_path):
     from common.kernels.chunked_head import uses_head_module
 
     model = load_causal_lm(ModelArgs(pretrain=f"{assets}/llama-0.5m", logps_chunk_tokens=64))
-    assert head_chunk_tokens(model) == 64 and "logps_chunk_tokens" not in model.config.to_dict()
+    assert logps_chunk_tokens(model) == 64 and "logps_chunk_tokens" not in model.config.to_dict()
     model.save_pretrained(tmp_path)
     assert "logps_chunk_tokens" not in (tmp_path / "config.json").read_text()
     lora = load_causal_lm(ModelArgs(pretrain=f"{assets}/llama-0.5m", logps_chunk_tokens=64, lora_rank=4))
-    assert head_chunk_tokens(lora) == 64 and not uses_head_module(unwrap(lora).lm_head)
+    assert logps_chunk_tokens(lora) == 64 and not uses_head_module(unwrap(lora).lm_head)
     bare = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m")
-    assert head_chunk_tokens(bare) == 0
-    bare.logps_chunk_tokens = 64
+    assert logps_chunk_tokens(bare) == 0
+    bare.minrlhf = ModelSettings(logps_chunk_tokens=64)
     on_head = get_peft_model(bare, LoraConfig(r=4, target_modules=["lm_head", "q_proj"]))
-    assert head_chunk_tokens(on_head) == 64 and uses_head_module(unwrap(on_head).lm_head)
+    assert logps_chunk_tokens(on_head) == 64 and uses_head_module(unwrap(on_head).lm_head)

@@ -113,6 +113,7 @@ def test_chunked_losses_equal_whole_logits(assets, student_kind, one_thread):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from common.kernels.chunked_head import HeadLogits
+    from common.logprobs import ModelSettings
     from launch.tiny import build_assets
 
     distill = load_algo("distill")
@@ -139,7 +140,7 @@ def test_chunked_losses_equal_whole_logits(assets, student_kind, one_thread):
         args.divergence, args.jsd_beta, args.temperature, args.teacher_top_k = kind, beta, temperature, top_k
         results = []
         for chunk in (0, 16):
-            student.logps_chunk_tokens = teacher.logps_chunk_tokens = chunk
+            student.minrlhf = teacher.minrlhf = ModelSettings(logps_chunk_tokens=chunk)
             student.zero_grad()
             head_tokens.clear()
             logits, targets, _ = distill.response_logits(student, batch)
@@ -236,7 +237,8 @@ def teacher(assets, tmp_path_factory):
     two OpenMP threads spin-waiting against other processes on 2 cores slowed it up to ~10x."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.packing import collate, token_logps
+    from common.logprobs import token_logps
+    from common.packing import collate
     from launch.tiny import build_assets
 
     build_assets(assets, models=("llama-10m",))

@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import load_algo, max_weight_diff, read_jsonl, run_script, run_scripts
 
-from common.packing import Layout, response_logps
+from common.logprobs import response_logps
+from common.packing import Layout
 
 PADDED = Layout(one_row=False, share_prefixes=False)  # the sdpa kernel: bounded rows, prompts not shared
 
@@ -98,7 +99,8 @@ def test_one_step_equal_across_zero_packing_reference_modes(assets, sft_model, t
     # the plain implementation: padded rows, chosen and rejected in two forwards, reference = the same weights
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.packing import collate, token_logps
+    from common.logprobs import token_logps
+    from common.packing import collate
 
     dpo = load_algo("dpo")
     tokenizer = AutoTokenizer.from_pretrained(sft_model)
@@ -143,7 +145,8 @@ def test_dpo_learns_and_exports(assets, sft_model, tmp_path, mode):
     with the NLL term they rise (-5.6) and greedy exact match of the export goes from 0.09 (SFT) to 0.175."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.packing import collate, token_logps
+    from common.logprobs import token_logps
+    from common.packing import collate
     from launch.tiny import exact_match
 
     data = f"{assets}/data/reverse"

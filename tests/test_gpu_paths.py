@@ -12,8 +12,10 @@ import torch
 
 from common.infra.gpu import (
     attention_implementation, check_colocation, check_weight_sync_model, colocated_memory_share, engine_environment,
-    optimizer_kind, packed_kernel, ring_kernel, torch_varlen_kwargs,
+    optimizer_kind,
 )
+from common.kernels.varlen_attention import packed_kernel, torch_varlen_kwargs
+from common.ring_attention import ring_kernel
 
 pytestmark = pytest.mark.quick  # the quick tier (launch/test.sh --quick)
 

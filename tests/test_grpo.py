@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from common.packing import token_logps, unpack
+from common.logprobs import token_logps
+from common.packing import unpack
 from common.rollout import ActorTrainArgs, make_batch
 from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import load_algo, max_weight_diff, read_jsonl, run_script, run_scripts
 
-from common.packing import Layout, response_logps
+from common.logprobs import response_logps
+from common.packing import Layout
 
 PADDED = Layout(one_row=False, share_prefixes=False)  # the sdpa kernel: bounded rows
 
@@ -151,7 +152,8 @@ def test_one_step_equal_across_zero_packing_reference_modes(assets, sft_model, t
     # the plain implementation: padded rows, reference = the same weights, so r = 0 and z = 0
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.packing import collate, token_logps
+    from common.logprobs import token_logps
+    from common.packing import collate
 
     kto = load_algo("kto")
     tokenizer = AutoTokenizer.from_pretrained(sft_model)
@@ -210,7 +212,8 @@ def test_kto_learns_and_exports(assets, sft_model, tmp_path):
     point z stays 0 (the policy's mismatched log-ratios turn negative)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.packing import collate, token_logps
+    from common.logprobs import token_logps
+    from common.packing import collate
     from launch.tiny import exact_match
 
     data = f"{assets}/data/reverse"

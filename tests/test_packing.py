@@ -5,7 +5,9 @@ import random
 import pytest
 import torch
 
-from common.packing import collate, pack_sequences, per_sample_sum, token_logps, unpack
+from common.kernels.bins import pack_sequences
+from common.logprobs import token_logps
+from common.packing import collate, per_sample_sum, unpack
 
 pytestmark = pytest.mark.quick  # the quick tier (launch/test.sh --quick)
 

@@ -14,9 +14,8 @@ import sys
 import pytest
 import torch
 
-from common.ring_attention import (
-    NAME, RingArgs, check_ring_model, import_ring_flash_attn, ring_model_args, validate_ring_args,
-)
+from common.infra.rings import RingArgs, ring_model_args, validate_ring_args
+from common.ring_attention import NAME, check_ring_model, import_ring_flash_attn
 from conftest import ROOT
 
 LAYERS, KV_HEADS = 2, 2

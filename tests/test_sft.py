@@ -13,7 +13,8 @@ import torch
 from conftest import PYTHONPATH, ROOT, load_algo, max_weight_diff, read_jsonl, run_script, run_scripts, weights
 
 from common.data import DataArgs
-from common.packing import collate, token_logps
+from common.logprobs import token_logps
+from common.packing import collate
 from common.kernels.varlen_attention import NAME as VARLEN_ATTENTION
 
 TASK = ["--input_key", "prompt", "--output_key", "response", "--apply_chat_template", "--max_len", "64"]

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from common.packing import collate, token_logps
+from common.logprobs import token_logps
+from common.packing import collate
 from common.kernels import varlen_attention
 from common.kernels.varlen_attention import (
     NAME, SampleBlocks, batch_plan, cu_seqlens_from_position_ids, varlen_backward, varlen_forward,

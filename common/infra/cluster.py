@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 
 from common.data import reward_model_ids
-from common.episodes import episode_tokens, load_env, validate_agent_args
 from common.infra.engine import ModelArgs, uses_bf16, validate_prompt_args
 from common.infra.gpu import check_colocation, check_weight_sync_model
 from common.infra.vllm_engine import resolve_max_model_len
@@ -59,16 +58,21 @@ def validate_rollout_args(args, world, script):
         raise ValueError(f"{rollout} samples per rollout must be a multiple of --micro_rollout_batch_size "
                          f"{args.micro_rollout_batch_size} x {rings} data-parallel trainer ranks (trainer ranks / "
                          f"--ring_attn_size)")
-    if args.agent.agent_func_path:
+    if args.agent.agent_func_path:  # the opt-in episodes module, imported where --agent_func_path is set
+        from common.episodes import validate_agent_args
+
         validate_agent_args(args)
     elif not (args.remote_rm_url or args.reward_pretrain):
         raise ValueError("no reward: give --remote_rm_url (a .py reward file or an HTTP URL), --reward_pretrain, "
                          "or an environment (--agent_func_path)")
     if args.engine.max_model_len is not None and args.engine.max_model_len < model_len_needed(args):
+        episode = ""
+        if args.agent.agent_func_path:
+            from common.episodes import episode_tokens
+
+            episode = f" and >= --max_episode_tokens {episode_tokens(args)}"
         raise ValueError(f"--max_model_len {args.engine.max_model_len} must be >= --prompt_max_len "
-                         f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len}"
-                         + (f" and >= --max_episode_tokens {episode_tokens(args)}"
-                            if args.agent.agent_func_path else ""))
+                         f"{args.prompt_max_len} + --generate_max_len {args.generate_max_len}" + episode)
     if args.overlong_buffer_len >= args.generate_max_len:
         raise ValueError(f"--overlong_buffer_len {args.overlong_buffer_len} must be < --generate_max_len")
     engines = args.cluster.vllm_num_engines
@@ -96,8 +100,11 @@ def validate_rollout_args(args, world, script):
 
 def model_len_needed(args):
     """The longest sequence an RL run's engines hold: prompt and response, or a whole episode."""
-    episode = episode_tokens(args) if args.agent.agent_func_path else 0
-    return max(args.prompt_max_len + args.generate_max_len, episode)
+    if not args.agent.agent_func_path:
+        return args.prompt_max_len + args.generate_max_len
+    from common.episodes import episode_tokens
+
+    return max(args.prompt_max_len + args.generate_max_len, episode_tokens(args))
 
 
 def resolve_rollout_args(args, world, trainer_copies, trainer_ranks=None):
@@ -113,6 +120,8 @@ def resolve_rollout_args(args, world, trainer_copies, trainer_ranks=None):
         load_reward_func(args.remote_rm_url, "--remote_rm_url")
     agent = args.agent
     if agent.agent_func_path:
+        from common.episodes import episode_tokens, load_env
+
         load_env(agent.agent_func_path)
         agent = replace(agent, max_episode_tokens=episode_tokens(args))
     engine = replace(args.engine, max_model_len=resolve_max_model_len(args.model.pretrain, args.engine.max_model_len,
@@ -319,6 +328,10 @@ def generate(roles, engines, prompt_ids, sampling, seeds, timeout_s):
 
 def environment(args):
     """The Env class of --agent_func_path, or None."""
-    return load_env(args.agent.agent_func_path) if args.agent.agent_func_path else None
+    if not args.agent.agent_func_path:
+        return None
+    from common.episodes import load_env
+
+    return load_env(args.agent.agent_func_path)
 
 

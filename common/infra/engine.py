@@ -447,14 +447,16 @@ def deepspeed_eval_config(train: TrainArgs, world_size, offload=False):
 _HF_DS_CONFIGS = []  # transformers reads ZeRO-3 settings from a live HfDeepSpeedConfig at from_pretrained
 
 
-def load_causal_lm(model_args: ModelArgs, ds_config=None, path=None, model_cls=None, **kwargs):
+def load_causal_lm(model_args: ModelArgs, ds_config=None, path=None, model_cls=None, ring=None, **kwargs):
     """Load a causal LM for training or inference, in the dtype `ds_config` trains in (without one: bf16 on
     CUDA, fp32 on CPU), partitioned at load time under ZeRO-3, with LoRA / QLoRA adapters and gradient
-    checkpointing as asked."""
+    checkpointing as asked. The model keeps this project's settings of it (common.logprobs.ModelSettings: the
+    LM head's chunk, `ring` where its rows are split over one, the KV-cache setting to export)."""
     from transformers import AutoModelForCausalLM
 
     import common.kernels.varlen_attention  # noqa: F401  (registers varlen_sdpa by name)
     from common.infra.gpu import attention_implementation
+    from common.logprobs import ModelSettings
 
     model_cls = model_cls or AutoModelForCausalLM
     if ds_config is not None and ds_config["zero_optimization"]["stage"] == 3:
@@ -476,7 +478,10 @@ def load_causal_lm(model_args: ModelArgs, ds_config=None, path=None, model_cls=N
         **kwargs,
     )
     _HF_DS_CONFIGS.clear()
-    model.logps_chunk_tokens = model_args.logps_chunk_tokens  # read by common.packing.token_logps; not exported
+    # packed rows give wrong logits with the KV cache on; save_hf_model exports the model's own setting
+    model.minrlhf = ModelSettings(logps_chunk_tokens=model_args.logps_chunk_tokens, ring=ring,
+                                  export_use_cache=model.config.use_cache)
+    model.config.use_cache = False
     if model_args.aux_loss_coef > 0:
         if not hasattr(model.config, "output_router_logits"):
             raise ValueError(f"--aux_loss_coef is set but {model.config.model_type} is not a mixture-of-experts model")
@@ -504,8 +509,6 @@ def load_causal_lm(model_args: ModelArgs, ds_config=None, path=None, model_cls=N
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if model_args.lora_rank > 0:
             model.enable_input_require_grads()
-    # packed rows give wrong logits with the KV cache on; save_hf_model exports the model's own setting
-    model.export_use_cache, model.config.use_cache = model.config.use_cache, False
     return model
 
 
@@ -616,11 +619,21 @@ class World:
     ring: Optional[object] = None
     """This rank's common.ring_attention.Ring with --ring_attn_size > 1, else None."""
 
+    def shard(self, items):
+        """This rank's share of a global batch's `items` (the ranks of a ring take the same one)."""
+        n = len(items) // self.dp_world
+        return items[self.dp_rank * n : (self.dp_rank + 1) * n]
+
+    @property
+    def copies(self):
+        """Ranks holding each sample (a ring's; 1 without): a sum over all ranks counts each this many times."""
+        return self.size // self.dp_world
+
 
 def setup(ring_args, seed) -> World:
     """Join the torchrun group (a plain `python` run is a world of one; a rank already in a group, such as a Ray
     trainer rank after its rendezvous, stays in it), build the attention rings of `ring_args` (a
-    common.ring_attention.RingArgs) and seed every generator."""
+    common.infra.rings.RingArgs) and seed every generator."""
     init_distributed()
     ring = None
     if ring_args.ring_attn_size > 1:
@@ -637,19 +650,21 @@ def setup(ring_args, seed) -> World:
 def train_engine(model_args: ModelArgs, train: TrainArgs, num_training_steps, world: World, offload_states=False,
                  **load_kwargs):
     """load_causal_lm (`load_kwargs`: e.g. model_cls for a reward or value model) wrapped by create_train_engine,
-    for the ring of `world` where there is one. The engine carries `engine.layout`, how this model's micro-batches
+    for the ring of `world` where there is one (the model keeps it: common.logprobs.token_logps splits its rows over
+    it). The engine carries `engine.layout`, how this model's micro-batches
     become rows (common.packing.Layout)."""
     ds_config = deepspeed_config(train, world.size, ring_size=world.ring.size if world.ring else 1)
-    model = load_causal_lm(model_args, ds_config, **load_kwargs)
+    model = load_causal_lm(model_args, ds_config, ring=world.ring, **load_kwargs)
     return with_layout(create_train_engine(model, train, ds_config, num_training_steps, offload_states), world.ring)
 
 
 def frozen_engine(model_args: ModelArgs, train: TrainArgs, world: World, offload=False, **load_kwargs):
     """A frozen model (reference, teacher, reward model) under DeepSpeed inference (deepspeed_eval_config: ZeRO-3
-    partitioned when training is, parameters on the CPU with `offload`), with `engine.layout` as train_engine
-    sets it."""
+    partitioned when training is, parameters on the CPU with `offload`), with its ring and `engine.layout` as
+    train_engine sets them."""
     ds_config = deepspeed_eval_config(train, world.size, offload=offload)
-    return with_layout(create_eval_engine(load_causal_lm(model_args, ds_config, **load_kwargs), ds_config), world.ring)
+    model = load_causal_lm(model_args, ds_config, ring=world.ring, **load_kwargs)
+    return with_layout(create_eval_engine(model, ds_config), world.ring)
 
 
 def with_layout(engine, ring):
@@ -812,11 +827,14 @@ def gathered_state_dict(engine):
 def save_hf_model(engine, tokenizer, save_path, merge_lora=False, base_path=None):
     """`save_pretrained` the trained model (or its LoRA adapter, or base + adapter merged) and the
     tokenizer, so transformers, vLLM and peft load it with no conversion."""
+    from common.logprobs import model_settings
+
     state_dict = gathered_state_dict(engine)
     if is_rank0():
         model = engine.module
         config = model.config  # shared by a LoRA model and its base
-        training_use_cache, config.use_cache = config.use_cache, getattr(model, "export_use_cache", config.use_cache)
+        export = model_settings(model).export_use_cache
+        training_use_cache, config.use_cache = config.use_cache, config.use_cache if export is None else export
         is_peft = hasattr(model, "peft_config")
         out = os.path.join(save_path, "adapter") if is_peft and merge_lora else save_path
         os.makedirs(out, exist_ok=True)

@@ -1,14 +1,16 @@
 """Trust tier: read the faces, trust the body.
 
 Device decisions, each a pure function of the facts it names (device, dtype, installed kernels, flags), so that
-a CPU test pins what a CUDA run does: which attention kernel, which optimizer, what vLLM's engine process needs in
-its environment, which placements and memory shares a colocated engine is refused, and whether a model's weights
-can be synced into vLLM. The callers gather the facts (torch.cuda.is_available(), what imports) and raise the
+a CPU test pins what a CUDA run does: which attention implementation (the kernels pick theirs:
+common.kernels.varlen_attention.packed_kernel), which optimizer, what vLLM's engine process needs in its
+environment, which placements and memory shares a colocated engine is refused, and whether a model's weights can
+be synced into vLLM. The callers gather the facts (torch.cuda.is_available(), what imports) and raise the
 ValueError these return or raise before any model loads."""
 
 import math
 
-PACKED = "varlen_sdpa"  # common.kernels.varlen_attention.NAME (not imported: that module imports transformers)
+from common.kernels import VARLEN_SDPA as PACKED
+
 FLASH = ("flash_attention_2", "flash_attention_3")
 HALF = ("bfloat16", "float16")
 
@@ -24,8 +26,8 @@ def dtype_name(dtype):
 def attention_implementation(device_type, dtype, flash_attn_installed, requested=None):
     """The attention implementation a model is loaded with: `requested` (--attn_implementation) if it can run,
     else ValueError naming the flag; by default varlen_sdpa everywhere (it picks its kernel per call:
-    `packed_kernel`). flash-attn's kernels take bf16 / fp16 on CUDA only: fp32 on CUDA with flash_attention_2
-    would load (transformers only warns) and fail at the first forward."""
+    common.kernels.varlen_attention.packed_kernel). flash-attn's kernels take bf16 / fp16 on CUDA only: fp32 on
+    CUDA with flash_attention_2 would load (transformers only warns) and fail at the first forward."""
     if requested is None:
         return PACKED
     if requested in FLASH:
@@ -39,41 +41,6 @@ def attention_implementation(device_type, dtype, flash_attn_installed, requested
             raise ValueError(f"--attn_implementation {requested}: flash_attn is not installed (drop the flag: "
                              f"{PACKED} runs torch's own flash kernels)")
     return requested
-
-
-def packed_kernel(device_type, dtype, torch_varlen_available):
-    """The kernel varlen_sdpa runs for packed rows: 'torch_varlen' (torch.nn.attention.varlen.varlen_attn, the
-    flash kernels bundled with torch's CUDA build: bf16 / fp16 on CUDA), 'sdpa_groups' (per-sample
-    scaled_dot_product_attention on any other device or dtype, fp32 on CUDA included) or 'cpu_fused' (the CPU
-    kernel of common.kernels.varlen_attention)."""
-    if device_type == "cpu":
-        return "cpu_fused"
-    if device_type == "cuda" and dtype_name(dtype) in HALF and torch_varlen_available:
-        return "torch_varlen"
-    return "sdpa_groups"
-
-
-def ring_kernel(device_type, dtype, flash_attn_installed):
-    """What ring-flash-attn runs over: 'flash_attn' (installed, CUDA, bf16 / fp16), 'torch_flash' (torch's
-    aten flash ops, CUDA, bf16 / fp16) or 'cpu' (common.kernels.varlen_attention's kernels); ValueError for fp32
-    on CUDA, which neither flash kernel takes."""
-    if device_type == "cpu":
-        return "cpu"
-    if dtype_name(dtype) not in HALF:
-        raise ValueError(f"--ring_attn_size > 1 on CUDA runs flash kernels, which take bf16 / fp16, not "
-                         f"{dtype_name(dtype)}: set --param_dtype bf16")
-    return "flash_attn" if flash_attn_installed else "torch_flash"
-
-
-def torch_varlen_kwargs(parameters, heads, kv_heads):
-    """Keyword arguments of torch's varlen_attn for causal attention with `heads` query and `kv_heads` key heads,
-    given its parameter names: torch 2.10 takes is_causal, later versions window_size=(-1, 0); enable_gqa where it
-    exists. Returns (kwargs, repeat_kv): repeat_kv when grouped heads must be repeated before the call."""
-    kwargs = {"is_causal": True} if "is_causal" in parameters else {"window_size": (-1, 0)}
-    grouped = kv_heads != heads
-    if grouped and "enable_gqa" in parameters:
-        kwargs["enable_gqa"] = True
-    return kwargs, grouped and "enable_gqa" not in parameters
 
 
 # ----------------------------------------------------------------------------------------------

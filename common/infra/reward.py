@@ -33,22 +33,29 @@ def reward_index(batch):
     return torch.tensor([r * width + s + n - 1 for r, s, n in batch["spans"]], device=batch["input_ids"].device)
 
 
-def sequence_rewards(model, batch, value_head_prefix="score"):
+def sequence_rewards(model, batch, value_head_prefix="score", ring=None):
     """Reward of each sample of a collated batch (packed or padded), float32, shape (num_samples,).
 
     `model` is a sequence-classification model, bare or inside a DeepSpeed engine (training or
     eval, any ZeRO stage) or a peft wrapper. The model's own forward runs (so DeepSpeed's hooks and
     Hugging Face's packing detection work as usual); the per-token values are taken from the value
-    head named `value_head_prefix` as it runs, and read at each sample's own last token."""
+    head named `value_head_prefix` as it runs, and read at each sample's own last token. With `ring` (a
+    common.ring_attention.Ring, --ring_attn_size > 1) each rank of it forwards its slice of the one-row batch and
+    the values are gathered over the ring (autograd)."""
     hf_model = unwrap(model)
     values = []
     handle = getattr(hf_model, value_head_prefix).register_forward_hook(lambda module, args, out: values.append(out))
     try:
-        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-              use_cache=False)  # with the cache on, packed rows are silently attended as one sequence
+        if ring is None:  # with the cache on, packed rows are silently attended as one sequence
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                  position_ids=batch["position_ids"], use_cache=False)
+        else:  # this rank's slice of the row; the whole row's values are gathered below
+            from common.ring_attention import ring_forward, ring_row_values
+
+            ring_forward(model, batch, ring)
     finally:
         handle.remove()
-    flat = values[0].squeeze(-1).flatten()
+    flat = values[0].squeeze(-1).flatten() if ring is None else ring_row_values(values[0][0, :, 0], batch, ring)
     return flat[reward_index(batch)].float()
 
 

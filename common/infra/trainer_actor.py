@@ -22,13 +22,13 @@ from common.infra.engine import (
 )
 from common.infra.roles import actor_class
 from common.packing import collate, to_device, unpack
-from common.ring_attention import ring_token_logps
+from common.logprobs import token_logps
 from common.rollout import make_batch, token_sample
 
 
-def token_logps(model, batch, args, ring):
+def next_token_logps(model, batch, args, ring):
     """The default per-token forward: the log-probs of each next token."""
-    return ring_token_logps(model, batch, ring)[0]
+    return token_logps(model, batch, ring=ring)[0]
 
 
 @dataclass
@@ -38,7 +38,7 @@ class TrainerSpec:
     model: ModelArgs  # the model the ranks load
     output: str  # the per-response-token key its forward fills: "old_logps", "ref_logps", "values"
     train: Optional[TrainArgs] = None  # None: frozen (DeepSpeed inference)
-    forward: Callable = token_logps  # (model, batch, args, ring) -> per-token tensor, aligned like loss_mask
+    forward: Callable = next_token_logps  # (model, batch, args, ring) -> per-token tensor, aligned like loss_mask
     reference: Optional[ModelArgs] = None  # a frozen model in the same ranks whose forward fills "ref_logps"
     # (model, batch, args, ring) -> (loss sum, {metric: sum}); the step reports a metric named *_max as its maximum,
     # *_sequences divided by the samples that ran, any other divided by the metrics' normaliser
@@ -115,7 +115,7 @@ class TrainerRank:
                                        offload_states=spec.offload_states, **spec.load_kwargs)
         self.models = {spec.output: (self.engine, spec.forward)}
         if spec.reference is not None:
-            self.models["ref_logps"] = (frozen_engine(spec.reference, args.train, placement), token_logps)
+            self.models["ref_logps"] = (frozen_engine(spec.reference, args.train, placement), next_token_logps)
         return True
 
     def setup_weight_sync(self, engines):

@@ -17,6 +17,9 @@ plain nn.Linear head), and module_chunked_head, which calls the head *module* pe
 torch.utils.checkpoint, so the module's own hooks run in forward and again in backward: DeepSpeed ZeRO-3 gathers
 a partitioned weight and routes its gradient to the partition, peft applies a LoRA or modules_to_save head.
 
+forward_token_logps is what common.logprobs.token_logps runs for a batch a rank holds whole: this head where the
+model type allows it, the model's whole logits elsewhere.
+
 For other losses over the whole distribution (distillation's divergences, teacher and student together), HeadLogits
 and map_logit_chunks give the same memory bound: the loss is a per-chunk function of the chunk's logits, run under
 torch.utils.checkpoint so backward recomputes the chunk.
@@ -180,22 +183,21 @@ def module_chunked_head(head, hidden, targets, chunk_tokens, with_entropy=False,
 CHUNKED_HEAD_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
-def head_chunk_tokens(model):
-    """Tokens per chunk of the LM head for `model` (bare, in a DeepSpeed engine and / or a peft wrapper): the
-    `logps_chunk_tokens` attribute common.infra.engine.load_causal_lm sets from --logps_chunk_tokens, or 0 (whole
-    logits) where it is unset or the model type is outside CHUNKED_HEAD_MODEL_TYPES. Any head module applies
-    (plain, tied, LoRA or modules_to_save on lm_head, ZeRO-3 partitioned): see uses_head_module. Except, where
-    gradients flow, a frozen head that ZeRO-3 partitions (LoRA on the layers below it): checkpoint's recompute
-    of the head module then sees the partitioned weight, not the gathered one, and refuses."""
+def head_chunk_tokens(model, chunk_tokens):
+    """Tokens per chunk of the LM head for `model` (bare, in a DeepSpeed engine and / or a peft wrapper):
+    `chunk_tokens` (--logps_chunk_tokens), or 0 (whole logits) where it is 0 or the model type is outside
+    CHUNKED_HEAD_MODEL_TYPES. Any head module applies (plain, tied, LoRA or modules_to_save on lm_head, ZeRO-3
+    partitioned): see uses_head_module. Except, where gradients flow, a frozen head that ZeRO-3 partitions (LoRA on
+    the layers below it): checkpoint's recompute of the head module then sees the partitioned weight, not the
+    gathered one, and refuses."""
     hf = hf_model(model)
-    chunk = getattr(hf, "logps_chunk_tokens", 0)
-    if not chunk or getattr(hf.config, "model_type", None) not in CHUNKED_HEAD_MODEL_TYPES:
+    if not chunk_tokens or getattr(hf.config, "model_type", None) not in CHUNKED_HEAD_MODEL_TYPES:
         return 0
     head = getattr(hf, "lm_head", None)
     if torch.is_grad_enabled() and head is not None and any(
             hasattr(p, "ds_id") and not p.requires_grad for p in head.parameters()):
         return 0
-    return chunk
+    return chunk_tokens
 
 
 def uses_head_module(head):
@@ -207,8 +209,8 @@ def uses_head_module(head):
 
 
 def hf_model(model):
-    """The Hugging Face model inside a DeepSpeed engine and / or a peft wrapper (common.packing.unwrap; this kernel
-    imports nothing of the project)."""
+    """The Hugging Face model inside a DeepSpeed engine and / or a peft wrapper (as common.packing.unwrap: this
+    kernel imports nothing of the project)."""
     model = getattr(model, "module", model)
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -269,8 +271,55 @@ def head_token_values(outputs, hidden, targets, chunk, with_entropy=False, with_
                         with_argmax=with_argmax, compute_dtype=autocast or head.weight.dtype)
 
 
+def forward_token_logps(model, batch, chunk_tokens, return_argmax=False, return_entropy=False):
+    """common.logprobs.token_logps of a batch each rank holds whole: through the chunked head where `chunk_tokens`
+    (head_chunk_tokens) is not 0 (chunked_token_logps: `outputs` is a HeadOutputs whose fields are the model's
+    (aux_loss, ...) and whose `logits` are computed on first read from the kept final hidden states), else from the
+    model's whole logits."""
+    if chunk_tokens:
+        return chunked_token_logps(model, batch, chunk_tokens, return_argmax, return_entropy)
+    outputs = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+        use_cache=False,  # with the cache on, packed rows are silently attended as one sequence
+    )
+    logits = outputs.logits[:, :-1].float()
+    targets = batch["input_ids"][:, 1:]
+    logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    starts = batch["position_ids"] == 0  # a sample's first token is not predicted from inside the sample
+    logps = F.pad(logps, (1, 0)).masked_fill(starts, 0.0)
+    hits = F.pad(logits.argmax(-1) == targets, (1, 0)) & ~starts if return_argmax else None
+    if return_entropy:
+        outputs.entropy = F.pad(_entropy(logits), (1, 0))
+    branches = branch_source_logits(outputs.logits, batch)
+    if branches is not None:  # a shared-prefix branch's first token: predicted from its root's prefix
+        rows, tokens, source_logits = branches
+        branch_targets = batch["input_ids"][rows, tokens]
+        values = source_logits.gather(-1, branch_targets[:, None]).squeeze(-1) - torch.logsumexp(source_logits, -1)
+        logps = logps.index_put((rows, tokens), values)
+        if return_argmax:
+            hits = hits.index_put((rows, tokens), source_logits.argmax(-1) == branch_targets)
+        if return_entropy:
+            outputs.entropy = outputs.entropy.index_put((rows, tokens), _entropy(source_logits))
+    return (logps, outputs, hits) if return_argmax else (logps, outputs)
+
+
+def _entropy(logits):
+    logps = logits.float().log_softmax(-1)
+    return -(logps.exp() * logps).sum(-1)
+
+
+def branch_source_logits(logits, batch):
+    """(rows, tokens, logits (n, vocab) in float32) for the first token of each shared-prefix branch of the
+    batch (common.packing.collate's share_prefixes), whose prediction sits at its root's token s - 1 rather than at the
+    token before it in the row; None without branches."""
+    if not batch.get("branch_starts"):
+        return None
+    rows, tokens, sources = torch.tensor(batch["branch_starts"], device=logits.device).unbind(1)
+    return rows, tokens, logits[rows, sources].float()
+
+
 def chunked_token_logps(model, batch, chunk, return_argmax, return_entropy):
-    """token_logps through the chunked head: the model's forward makes no logits (forward_without_logits), and
+    """forward_token_logps through the chunked head: the model's forward makes no logits (forward_without_logits), and
     head_token_values runs over the row's predictions, shared-prefix branches' first tokens included."""
     input_ids = batch["input_ids"]
     outputs = forward_without_logits(model, input_ids=input_ids, attention_mask=batch["attention_mask"],
@@ -327,13 +376,12 @@ class HeadLogits:
         return dataclasses.replace(self, hidden=self.hidden.detach(), frozen=True)
 
 
-def head_logits_at(model, batch, rows, cols):
-    """HeadLogits of `model` (head_chunk_tokens(model) > 0) at positions (rows, cols) of a collated batch, in
-    chunks of head_chunk_tokens(model); the model's forward makes no logits (forward_without_logits)."""
+def head_logits_at(model, batch, rows, cols, chunk_tokens):
+    """HeadLogits of `model` at positions (rows, cols) of a collated batch, in chunks of `chunk_tokens` (> 0:
+    head_chunk_tokens); the model's forward makes no logits (forward_without_logits)."""
     outputs = forward_without_logits(model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                      position_ids=batch["position_ids"], use_cache=False)
-    return HeadLogits(outputs.final_hidden[rows, cols], outputs.head, outputs.autocast_dtype,
-                      head_chunk_tokens(model))
+    return HeadLogits(outputs.final_hidden[rows, cols], outputs.head, outputs.autocast_dtype, chunk_tokens)
 
 
 def map_logit_chunks(logits, fn, also=()):

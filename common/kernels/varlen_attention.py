@@ -34,10 +34,10 @@ default `sdpa`, as exports are (save_pretrained does not store the name).
 import torch
 from transformers import AttentionInterface
 
-from common.packing import pack_sequences
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-NAME = "varlen_sdpa"  # no "flash" in it: transformers treats any such name as a flash-attention build
+from common.kernels import VARLEN_SDPA as NAME  # no "flash" in it: transformers takes such names for flash-attn
+from common.kernels.bins import pack_sequences
 
 
 def cu_seqlens_from_position_ids(position_ids):
@@ -379,6 +379,29 @@ class VarlenPlan:
         self.max_k = max(b - a for a, b in zip(cu_k[:-1], cu_k[1:]))
 
 
+def packed_kernel(device_type, dtype, torch_varlen_available):
+    """The kernel varlen_sdpa runs for packed rows: 'torch_varlen' (torch.nn.attention.varlen.varlen_attn, the
+    flash kernels bundled with torch's CUDA build: bf16 / fp16 on CUDA), 'sdpa_groups' (per-sample
+    scaled_dot_product_attention on any other device or dtype, fp32 on CUDA included) or 'cpu_fused' (this
+    module's CPU kernel). A pure function of the facts it names, so a CPU test pins what a CUDA run does."""
+    if device_type == "cpu":
+        return "cpu_fused"
+    if device_type == "cuda" and dtype in (torch.bfloat16, torch.float16) and torch_varlen_available:
+        return "torch_varlen"
+    return "sdpa_groups"
+
+
+def torch_varlen_kwargs(parameters, heads, kv_heads):
+    """Keyword arguments of torch's varlen_attn for causal attention with `heads` query and `kv_heads` key heads,
+    given its parameter names: torch 2.10 takes is_causal, later versions window_size=(-1, 0); enable_gqa where it
+    exists. Returns (kwargs, repeat_kv): repeat_kv when grouped heads must be repeated before the call."""
+    kwargs = {"is_causal": True} if "is_causal" in parameters else {"window_size": (-1, 0)}
+    grouped = kv_heads != heads
+    if grouped and "enable_gqa" in parameters:
+        kwargs["enable_gqa"] = True
+    return kwargs, grouped and "enable_gqa" not in parameters
+
+
 def _torch_varlen_parameters():
     """The parameter names of torch's varlen_attn (torch >= 2.10), or None where it does not exist."""
     try:
@@ -396,8 +419,6 @@ def torch_varlen_attention(q, k, v, plan, scale):
     with torch's CUDA build). Branches attend to their root's prefix: their keys are gathered, and the kernel
     aligns a shorter query block bottom-right, as flash-attention does."""
     from torch.nn.attention.varlen import varlen_attn
-
-    from common.infra.gpu import torch_varlen_kwargs
 
     kwargs, repeat = torch_varlen_kwargs(_torch_varlen_parameters(), q.shape[1], k.shape[1])
     if plan.key_index is not None:
@@ -456,8 +477,6 @@ def varlen_attention_forward(module, query, key, value, attention_mask, scaling=
     k = key.transpose(1, 2).reshape(batch * length, key.shape[1], dim)
     v = value.transpose(1, 2).reshape(batch * length, value.shape[1], dim)
     scale = scaling if scaling is not None else dim**-0.5
-    from common.infra.gpu import packed_kernel
-
     kernel = packed_kernel(q.device.type, dtype, _TORCH_VARLEN)
     if kernel == "torch_varlen":
         out = torch_varlen_attention(q, k, v, _plan_for(position_ids, kernel, VarlenPlan), scale)
@@ -477,5 +496,5 @@ AttentionInterface.register(NAME, varlen_attention_forward)
 
 def default_attn_implementation():
     """varlen_sdpa on every device: it attends within each packed sample, with torch's flash kernels on CUDA in
-    bf16 / fp16, per-sample sdpa otherwise on CUDA, the fused CPU kernel on CPU (common.infra.gpu.packed_kernel)."""
+    bf16 / fp16, per-sample sdpa otherwise on CUDA, the fused CPU kernel on CPU (packed_kernel)."""
     return NAME

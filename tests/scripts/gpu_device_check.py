@@ -181,7 +181,8 @@ def step_packed_vs_padded():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from common.packing import collate, to_device, token_logps
+    from common.logprobs import token_logps
+    from common.packing import collate, to_device
 
     path = f"{_assets()}/llama-0.5m"
     samples = [{"input_ids": list(range(3, 3 + n)), "loss_mask": [1] * n} for n in (17, 40, 9, 64, 33)]
@@ -246,7 +247,8 @@ def step_chunked_head():
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from benchmarks.bench_mfu import QWEN25_05B
-    from common.packing import collate, to_device, token_logps
+    from common.logprobs import ModelSettings, token_logps
+    from common.packing import collate, to_device
 
     cuda = DEV["device"] == "cuda"
     shape = {"num_hidden_layers": 2} if cuda else {"num_hidden_layers": 2, "vocab_size": 4096, "hidden_size": 128,
@@ -262,7 +264,7 @@ def step_chunked_head():
     results, peaks = [], {}
     chunked = 1024 if cuda else 128  # --logps_chunk_tokens' default; CPU: four chunks of its 512 tokens
     for chunk in (chunked, 0):  # then the whole logits
-        model.logps_chunk_tokens = chunk
+        model.minrlhf = ModelSettings(logps_chunk_tokens=chunk)
         model.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()

@@ -15,7 +15,8 @@ from common.infra.engine import (
     ModelArgs, TrainArgs, create_train_engine, deepspeed_config, device, gathered_state_dict, init_distributed,
     load_causal_lm, optimizer_step,
 )
-from common.packing import collate, to_device, token_logps
+from common.logprobs import token_logps
+from common.packing import collate, to_device
 
 
 def train(model_path, zero_stage, offload, dtype="fp32"):

@@ -24,9 +24,11 @@ import torch.distributed as dist
 from common.infra.engine import (
     ModelArgs, TrainArgs, deepspeed_config, finish, init_distributed, load_causal_lm,
 )
-from common.packing import collate, per_sample_sum, token_logps
+from common.infra.rings import RingArgs
+from common.logprobs import ModelSettings, logps_chunk_tokens, token_logps
+from common.packing import collate, per_sample_sum
 from common.ring_attention import (
-    NAME, RingArgs, check_ring_model, ring_token_logps, setup_ring,
+    NAME, check_ring_model, setup_ring,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -79,7 +81,7 @@ def compare_model(path, ring, total, exchange=True):
     check_ring_model(model, ring)
     call = model if exchange else (lambda **kw: model(**{k: v for k, v in kw.items() if k != "ring_params"}))
     calls = count_kernel_calls()
-    got, _ = ring_token_logps(call, batch, ring)
+    got, _ = token_logps(call, batch, ring=ring)
     calls = count_kernel_calls() - calls
     loss = -(got * batch["loss_mask"]).sum()
     loss.backward()
@@ -119,8 +121,8 @@ def chunked_ring_check(path, ring, total=25, chunk=5):
     runs = {}
     for name, chunk_tokens in (("whole", 0), ("chunked", chunk)):
         model = load(path, NAME)
-        model.logps_chunk_tokens = chunk_tokens
-        *values, grads, outputs = run(model, lambda m, b, **kw: ring_token_logps(m, b, ring, **kw))
+        model.minrlhf = ModelSettings(logps_chunk_tokens=chunk_tokens)
+        *values, grads, outputs = run(model, lambda m, b, **kw: token_logps(m, b, ring=ring, **kw))
         for g in grads.values():
             dist.all_reduce(g, group=ring.group)  # each rank holds its slice's share, ring size times over
         runs[name] = (*values, {n: g / ring.size for n, g in grads.items()}, outputs)
@@ -149,7 +151,7 @@ def zero3_head_check(path, chunk=16):
     from deepspeed.utils import safe_get_full_grad
 
     from common.packing import unwrap
-    from common.kernels.chunked_head import head_chunk_tokens, uses_head_module
+    from common.kernels.chunked_head import uses_head_module
 
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(rank)
@@ -167,7 +169,7 @@ def zero3_head_check(path, chunk=16):
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                                           config=ds_config)
         head = unwrap(engine).lm_head
-        assert head_chunk_tokens(engine) == chunk_tokens and uses_head_module(head) and head.weight.numel() == 0
+        assert logps_chunk_tokens(engine) == chunk_tokens and uses_head_module(head) and head.weight.numel() == 0
         logps, outputs, hits = token_logps(engine, batch, return_argmax=True, return_entropy=True)
         mask = batch["loss_mask"]
         engine.backward(-((logps * weights + 0.1 * outputs.entropy) * mask).sum() / mask.sum())
@@ -299,7 +301,7 @@ def step_checks(path):
         gas = ds_config["gradient_accumulation_steps"]
         step_tokens = batch["loss_mask"].sum().clone()
         dist.all_reduce(step_tokens)  # over the whole world: ring size x the row's loss tokens
-        got, _ = ring_token_logps(engine, batch, ring)
+        got, _ = token_logps(engine, batch, ring=ring)
         engine.backward(-(got * batch["loss_mask"]).sum() * (gas * world) / step_tokens)
         engine.step()
         state = gathered_state_dict(engine)

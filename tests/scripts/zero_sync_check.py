@@ -11,7 +11,8 @@ from common.infra.engine import (
     ModelArgs, TrainArgs, create_train_engine, deepspeed_config, finish, init_distributed, load_causal_lm,
     optimizer_step,
 )
-from common.packing import collate, token_logps
+from common.logprobs import token_logps
+from common.packing import collate
 from common.infra.vllm_engine import EngineArgs, create_vllm_engine, vllm_sequence_logprobs
 from common.infra.weight_sync import WeightSync
 
