@@ -114,6 +114,29 @@ def test_grpo_trainer_killed_mid_run(assets, rl_start_model, tmp_path):
     assert_none_left(tag)
 
 
+def test_grpo_stops_at_a_broken_weight_sync(assets, rl_start_model, tmp_path):
+    """The sync after step 1 sends one weight negated (a test-only switch of common.infra.weight_sync): step 2's
+    samples come from other weights than the trainer's, and the run stops there naming the step, the measured gap and
+    --max_mismatch_kl, with step 1 logged healthy (fp32: a mismatch KL far below the bound)."""
+    from common.infra.weight_sync import CORRUPT_WEIGHT_VARIABLE
+
+    args = grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size", 64,
+                     "--max_steps", 3, "--eval_steps", 1000, "--actor_num_gpus_per_node", 1)
+    tag, env = tagged_env()
+    env[CORRUPT_WEIGHT_VARIABLE] = "model.norm.weight"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "algos", "grpo.py")] + [str(a) for a in args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = error_lines(proc)
+    print(errors)
+    want = "error: step 2: vLLM sampled from other weights than the trainer's (a broken weight sync or model load)"
+    assert len(errors) == 1 and errors[0].startswith(want), errors
+    gap = float(re.search(r"mismatch KL ([0-9.e+-]+) > --max_mismatch_kl 0.1", errors[0]).group(1))
+    steps = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if "train/reward" in m]
+    assert [m["step"] for m in steps] == [1] and steps[0]["rollout/mismatch_kl"] <= 1e-8 < 1 <= gap, (steps, gap)
+    assert_none_left(tag)
+
+
 @pytest.fixture(scope="module")
 def head_dim_16_model(assets, tmp_path_factory):
     """A Llama that transformers runs but vLLM's CPU attention refuses (head_dim 16)."""

@@ -509,15 +509,18 @@ def test_resume_continues_the_same_run_from_a_copied_script(assets, rl_start_mod
 
 
 ESTIMATOR_RUNS = {
-    # each estimator once, each run also covering a placement / model / KL / reward-source variant
+    # each estimator once, each run also covering a placement / model / KL / reward-source variant; CISPO and GSPO
+    # (--policy_loss) meet the bar the PPO-clip runs meet, on the same budget
     "dr_grpo_colocated_two_engines": ["--advantage_estimator", "dr_grpo", "--colocate_all_models", "--vllm_num_engines",
                                       2,
                                       "--vllm_enable_sleep"],
-    "rloo_lora": ["--advantage_estimator", "rloo", "--lora_rank", 8, "--actor_learning_rate", 1e-3],
+    "rloo_lora_cispo": ["--advantage_estimator", "rloo", "--lora_rank", 8, "--actor_learning_rate", 1e-3,
+                        "--policy_loss", "cispo"],
     "reinforce_kl_in_reward_http_reward_bf16": ["--advantage_estimator", "reinforce", "--init_kl_coef", 0.01,
                                                 "--param_dtype", "bf16"],
-    "reinforce_baseline_kl_loss_zero3": ["--advantage_estimator", "reinforce_baseline", "--init_kl_coef", 0.01,
-                                         "--use_kl_loss", "--kl_estimator", "k3", "--zero_stage", 3],
+    "reinforce_baseline_kl_loss_zero3_gspo": ["--advantage_estimator", "reinforce_baseline", "--init_kl_coef", 0.01,
+                                              "--use_kl_loss", "--kl_estimator", "k3", "--zero_stage", 3,
+                                              "--policy_loss", "gspo"],
 }
 
 

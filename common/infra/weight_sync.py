@@ -17,6 +17,7 @@ rank, LoRA merged on the fly) and the same start / update / finish round trip on
 
 import contextlib
 import datetime
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -33,6 +34,8 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo, WeightTransfe
 from common.infra.engine import free_port
 
 GLOO_BACKEND = "minrlhf_gloo"
+# tests only (tests/test_failures_rl.py): the weight this names is sent negated, a sync broken on purpose
+CORRUPT_WEIGHT_VARIABLE = "MINRLHF_TEST_CORRUPT_SYNC"
 DTYPES = {str(t).split(".")[-1]: t for t in (torch.float32, torch.bfloat16, torch.float16)}
 
 
@@ -108,6 +111,8 @@ class HFWeightSource(WeightSource):
                         t = (t.float() + sum(s * (b.data.float() @ a.data.float()) for a, b, s in adapters)).to(p.dtype)
                     elif gathered:
                         t = t.clone()
+                    if _hf_name(f"{name}.{pname}") == os.environ.get(CORRUPT_WEIGHT_VARIABLE):
+                        t = -t
                     yield _hf_name(f"{name}.{pname}"), t if self.dtype is None else t.to(self.dtype)
 
 
