@@ -570,7 +570,8 @@ def main(args: Args):
         # normaliser: loss tokens of the whole optimizer step, over every micro-batch and rank
         (step_tokens,) = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in micro_batches)])
         lr = engine.get_lr()[0]
-        step_kd = step_nll = step_gap = 0.0
+        step_kd = step_nll = gap_max = 0.0
+        gap_sums = [0.0, 0.0, 0.0]  # over the sampled tokens: k3 of KL(vLLM || trainer), |logp difference|, count
         for chunk, batch in zip(chunks, micro_batches):
             logits, targets, counts = response_logits(engine, batch, split_over_ring=True)
             from_teacher = (stack_cached(train_cache, [local[j] for j in chunk]) if train_cache is not None else
@@ -582,7 +583,10 @@ def main(args: Args):
             step_nll += ce.sum().item()
             if on_policy:  # vLLM's log-probs of its samples vs the trainer's: the sync worked if they agree
                 sampled = torch.tensor([lp for j in chunk for lp in vllm_logps[j]], device=ce.device)
-                step_gap = max(step_gap, (sampled + ce.detach()).abs().max().item() if len(sampled) else 0.0)
+                log_ratio = (-ce.detach() - sampled).clamp(-20, 20)
+                gap_sums = [a + b for a, b in zip(gap_sums, [(log_ratio.exp() - 1 - log_ratio).sum().item(),
+                                                             log_ratio.abs().sum().item(), len(sampled)])]
+                gap_max = max(gap_max, log_ratio.abs().max().item() if len(sampled) else 0.0)
 
         global_step = step + 1
         step_kd, step_nll = all_reduce_sum([step_kd, step_nll])
@@ -591,10 +595,13 @@ def main(args: Args):
             "train/kd": step_kd / step_tokens, "train/nll": step_nll / step_tokens, "train/on_policy": float(on_policy),
             "train/lr": lr, "train/epoch": epoch, "train/grad_norm": grad_norm,
             "perf/tokens_per_s": step_tokens / world.copies / (time.time() - t0)})
-        if on_policy:
-            gap = torch.tensor(step_gap, device=device())
+        if on_policy:  # the trainer-vLLM gap, as grpo.py and ppo.py log it
+            kl_sum, abs_sum, sampled_tokens = all_reduce_sum(gap_sums)
+            gap = torch.tensor(gap_max, device=device())
             dist.all_reduce(gap, op=dist.ReduceOp.MAX)
-            metrics["train/vllm_logp_max_diff"] = gap.item()
+            metrics.update({"rollout/mismatch_kl": kl_sum / max(sampled_tokens, 1),
+                            "rollout/logp_abs_diff_mean": abs_sum / max(sampled_tokens, 1),
+                            "rollout/logp_abs_diff_max": gap.item()})
         bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", kd=f"{metrics['train/kd']:.4f}")
         if eval_ds and eval_due(global_step, args.log.eval_steps, steps_per_epoch, total_steps):
             metrics.update(evaluate(engine, teacher, eval_ds, eval_cache, args, batch_fn, vocab))

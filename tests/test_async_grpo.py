@@ -5,7 +5,7 @@ rollouts ahead."""
 
 import pytest
 
-from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script, run_scripts
+from conftest import PYTHONPATH, ROOT, load_algo, max_weight_diff, read_jsonl, run_script, run_scripts
 from test_grpo import REWARD, grpo_args
 
 grpo = load_algo("grpo")
@@ -96,7 +96,7 @@ def test_a_wait_past_its_timeout_names_the_role():
     from common.infra.roles import RoleFailed, Roles, actor_class
 
     ray.init(num_cpus=1, include_dashboard=False,  # the actor's class is this module's
-             runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}:{os.path.join(ROOT, 'tests')}"}})
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([PYTHONPATH, os.path.join(ROOT, "tests")])}})
     try:
         roles = Roles(poll_s=0.2)
         slow = roles.add("vLLM engine 0", actor_class(Slow).remote())

@@ -15,7 +15,7 @@ import tarfile
 
 import pytest
 
-from conftest import ROOT
+from conftest import PYTHONPATH, ROOT
 
 
 
@@ -134,7 +134,7 @@ def test_device_check_rehearsal(tmp_path):
     report = proc.stdout[-6000:] + proc.stderr[-3000:]
     print(proc.stdout)
     code = "import json; import gpu_device_check; print(json.dumps(gpu_device_check.carried_files()))"
-    path = os.pathsep.join([str(site), os.path.join(ROOT, "tests", "scripts")])
+    path = os.pathsep.join([str(site), PYTHONPATH])  # the carried packages first, then the checkout
     where = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), capture_output=True, text=True,
                            timeout=120, env={**os.environ, "PYTHONPATH": path})
     assert where.returncode == 0, where.stderr[-3000:]
