@@ -64,7 +64,7 @@ from common.infra.trainer_actor import TrainerSpec, each_ring, per_token, start_
 from common.infra.rings import ring_model_args, validate_ring_args  # noqa: E402
 from common.logprobs import token_logps  # noqa: E402
 from common.rollout import (  # noqa: E402
-    RLArgs, collect_rollout, evaluate, kl_to_reference, load_prompts, mismatch_metrics, model_tokens, off_policy,
+    RLArgs, Sampler, kl_to_reference, load_prompts, mismatch_metrics, model_tokens, off_policy,
     rollout_metrics, rollout_samples, split_steps,
 )
 from common.infra.tracking import MetricsLogger, eval_due, progress  # noqa: E402
@@ -498,7 +498,6 @@ def main(args: Args):
     tokenizer = load_tokenizer(args.model.pretrain, args)
     prompts = load_prompts(args.prompt_data, args.prompt_split, args, tokenizer, args.max_samples)
     eval_prompts = args.eval_dataset and load_prompts(args.eval_dataset, args.eval_split, args, tokenizer, 10**9)
-    reward_fn, env_cls = reward_function(args), environment(args)
     n, per_step = args.n_samples_per_prompt, args.rollout_batch_size * args.n_samples_per_prompt
     total_steps, steps_per_episode = rollout_steps(args, len(prompts))
     optimizer_steps = total_steps * per_step // args.train.train_batch_size * args.train.max_epochs
@@ -521,21 +520,19 @@ def main(args: Args):
               f"no checkpoint in {args.ckpt.ckpt_path}: starting from step 0")
     # ---- boilerplate: rollout set-up (the same text in grpo.py and ppo.py; tests/test_boilerplate.py) ----
     logger = MetricsLogger(args.log, asdict(args), True)
+    # steps 1-2 of each step: prompts, n responses (episodes) each, rewards
+    sampler = Sampler(args, roles, engines, prompts, reward_function(args), reward_models, tokenizer, environment(args))
     if eval_prompts and state["global_step"] == 0:
-        metrics = evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer, env_cls)
+        metrics = sampler.evaluate(eval_prompts)
         print("step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         logger.log(metrics, 0)
-
-    def collect(start, version):  # steps 1-2: prompts, n responses (episodes) each, rewards
-        return collect_rollout(args, roles, engines, prompts, start, version, reward_fn, reward_models, tokenizer,
-                               env_cls)
 
     stale = off_policy(args)  # samples from weights up to K updates before the trainer's (--async_train)
     rollouts = None  # synchronous: each step's rollout is collected when the step asks for it
     if stale:  # --async_train: a thread collects the next steps' rollouts while the trainer updates
         from common.async_rollouts import Rollouts
 
-        rollouts = Rollouts(args, collect, state["global_step"], total_steps, state["consumed_prompts"])
+        rollouts = Rollouts(args, sampler.collect, state["global_step"], total_steps, state["consumed_prompts"])
     # ---- end of boilerplate: rollout set-up ----
     bar = progress(range(state["global_step"], total_steps), desc="grpo", initial=state["global_step"],
                    total=total_steps)
@@ -550,7 +547,7 @@ def main(args: Args):
 
         # 1-2. this step's prompts, n responses (episodes) each, rewards: collected now, or ahead in the rollout thread
         t0 = time.time()
-        rollout = rollouts.next(step) if rollouts else collect(state["consumed_prompts"], step)
+        rollout = rollouts.next(step) if rollouts else sampler.collect(state["consumed_prompts"], step)
         phase("rollout_wait", t0)
         state["consumed_prompts"] = rollout["end"]
         samples, raw_rewards = rollout_samples(rollout, args)
@@ -604,7 +601,7 @@ def main(args: Args):
         metrics.update(kl_to_reference(samples))
         bar.set_postfix(reward=f"{metrics['train/reward']:.3f}")
         if eval_prompts and eval_due(global_step, args.log.eval_steps, steps_per_episode, total_steps):
-            metrics.update(evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer, env_cls))
+            metrics.update(sampler.evaluate(eval_prompts))
             bar.write(f"step {global_step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
                                                           if k.startswith(("eval/", "train/reward"))))
             if metrics["eval/pass@1"] > state["best_pass1"]:

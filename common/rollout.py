@@ -326,47 +326,74 @@ def advantage_rewards(group, rewards, args):
     return torch.tensor(out)
 
 
-def rollout_groups(args, roles, engines, prompts, n, temperature, top_p, seeds, reward_fn, reward_models, tokenizer,
-                   env_cls, timing):
-    """n responses (or episodes) per prompt and their rewards (prompts, n); timing["time/..."] accumulates."""
-    timeout_s, t0 = args.async_rollout.rollout_timeout, time.time()
-    if env_cls is not None:  # the environment rewards each episode as it runs
-        groups = run_episodes(args, env_cls, lambda ids, sp: generate(roles, engines, ids, sp, None, timeout_s),
-                              tokenizer, prompts, n, temperature, seeds, top_p)
+@dataclass
+class Sampler:
+    """What a step's rollout and an evaluation sample with, built once in a script's main: the script's args, the
+    Roles waiting on the vLLM `engines`, the training `prompts` (load_prompts), and where rewards come from: a
+    --remote_rm_url `reward_fn`, `reward_models` actors, or an --env_path `env_cls` (each None / [] when unused)."""
+    args: object
+    roles: object
+    engines: list
+    prompts: list
+    reward_fn: object
+    reward_models: list
+    tokenizer: object
+    env_cls: object
+
+    def groups(self, prompts, n, temperature, top_p, seeds, timing):
+        """n responses (or episodes) per prompt and their rewards (prompts, n); timing["time/..."] accumulates."""
+        args, roles, engines = self.args, self.roles, self.engines
+        timeout_s, t0 = args.async_rollout.rollout_timeout, time.time()
+        if self.env_cls is not None:  # the environment rewards each episode as it runs
+            groups = run_episodes(args, self.env_cls,
+                                  lambda ids, sp: generate(roles, engines, ids, sp, None, timeout_s),
+                                  self.tokenizer, prompts, n, temperature, seeds, top_p)
+            timing["time/generate"] = timing.get("time/generate", 0.0) + time.time() - t0
+            return groups, torch.tensor([[e.reward for e in g] for g in groups])
+        sampling = SamplingArgs(n=n, temperature=temperature, top_p=top_p, max_new_tokens=args.generate_max_len)
+        groups = generate(roles, engines, [p["prompt_ids"] for p in prompts], sampling, seeds, timeout_s)
         timing["time/generate"] = timing.get("time/generate", 0.0) + time.time() - t0
-        return groups, torch.tensor([[e.reward for e in g] for g in groups])
-    sampling = SamplingArgs(n=n, temperature=temperature, top_p=top_p, max_new_tokens=args.generate_max_len)
-    groups = generate(roles, engines, [p["prompt_ids"] for p in prompts], sampling, seeds, timeout_s)
-    timing["time/generate"] = timing.get("time/generate", 0.0) + time.time() - t0
-    t0 = time.time()
-    rewards = compute_rewards(roles, reward_fn, reward_models, prompts, groups, tokenizer, args)
-    timing["time/reward"] = timing.get("time/reward", 0.0) + time.time() - t0
-    return groups, rewards
+        t0 = time.time()
+        rewards = compute_rewards(roles, self.reward_fn, self.reward_models, prompts, groups, self.tokenizer, args)
+        timing["time/reward"] = timing.get("time/reward", 0.0) + time.time() - t0
+        return groups, rewards
 
+    def collect(self, start, version):
+        """One step's rollout from prompt position `start` with the engines holding policy `version`:
+        --rollout_batch_size prompts, n responses (or episodes) each, rewarded; with --dynamic_filtering groups of
+        equal rewards are dropped and new prompts refill the batch. Runs on the driver, or with --async_train in the
+        rollout thread while the trainer updates on the previous step's samples."""
+        args = self.args
+        kept, dropped, rounds, position, timing = [], [], 0, start, {}
+        while len(kept) < args.rollout_batch_size and rounds < max(1, args.dynamic_filtering_max_rounds):
+            need, rounds = args.rollout_batch_size - len(kept), rounds + 1
+            positions = range(position, position + need)
+            position += need
+            batch_prompts = [prompt_at(self.prompts, i, args.train.seed) for i in positions]
+            # a seed per prompt position: the same samples whatever the engine count or batching (resume is exact)
+            groups, rewards = self.groups(batch_prompts, args.n_samples_per_prompt, args.temperature, args.top_p,
+                                          [args.train.seed * 1_000_003 + i for i in positions], timing)
+            for p, g, r in zip(batch_prompts, groups, rewards):
+                (dropped if args.dynamic_filtering and not carries_signal(g, r, args) else kept).append((p, g, r))
+            if not args.dynamic_filtering:
+                break
+        kept += dropped[: args.rollout_batch_size - len(kept)]  # rounds ran out: equal-reward groups carry no signal
+        return {"kept": kept, "dropped": len(dropped), "rounds": rounds, "end": position, "version": version,
+                "timing": timing}
 
-def collect_rollout(args, roles, engines, prompts, start, version, reward_fn, reward_models, tokenizer, env_cls):
-    """One step's rollout from prompt position `start` with the engines holding policy `version`:
-    --rollout_batch_size prompts, n responses (or episodes) each, rewarded; with --dynamic_filtering groups of
-    equal rewards are dropped and new prompts refill the batch. Runs on the driver, or with --async_train in the
-    rollout thread while the trainer updates on the previous step's samples."""
-    kept, dropped, rounds, position, timing = [], [], 0, start, {}
-    while len(kept) < args.rollout_batch_size and rounds < max(1, args.dynamic_filtering_max_rounds):
-        need, rounds = args.rollout_batch_size - len(kept), rounds + 1
-        positions = range(position, position + need)
-        position += need
-        batch_prompts = [prompt_at(prompts, i, args.train.seed) for i in positions]
-        # a seed per prompt position: the same samples whatever the engine count or batching (resume is exact)
-        groups, rewards = rollout_groups(args, roles, engines, batch_prompts, args.n_samples_per_prompt,
-                                         args.temperature, args.top_p,
-                                         [args.train.seed * 1_000_003 + i for i in positions],
-                                         reward_fn, reward_models, tokenizer, env_cls, timing)
-        for p, g, r in zip(batch_prompts, groups, rewards):
-            (dropped if args.dynamic_filtering and not carries_signal(g, r, args) else kept).append((p, g, r))
-        if not args.dynamic_filtering:
-            break
-    kept += dropped[: args.rollout_batch_size - len(kept)]  # rounds ran out: equal-reward groups carry no signal
-    return {"kept": kept, "dropped": len(dropped), "rounds": rounds, "end": position, "version": version,
-            "timing": timing}
+    @torch.no_grad()
+    def evaluate(self, eval_prompts):
+        """eval/pass@1, pass@n and the model's tokens per sample, on `eval_prompts` (seeded)."""
+        args = self.args
+        n = args.eval_n_samples_per_prompt
+        seeds = [args.train.seed + 7919 * i for i in range(len(eval_prompts))]
+        groups, rewards = self.groups(eval_prompts, n, args.eval_temperature, 1.0, seeds, {})
+        if self.env_cls is not None:  # the model's own tokens
+            length = sum(len(ids) for g in groups for e in g for ids, trainable, _ in e.segments if trainable)
+        else:
+            length = sum(len(s.output_ids) for g in groups for s in g)
+        return {"eval/pass@1": rewards.mean().item(), f"eval/pass@{n}": rewards.max(1).values.mean().item(),
+                "eval/response_length": length / rewards.numel()}
 
 
 def rollout_samples(rollout, args):
@@ -429,19 +456,3 @@ def kl_to_reference(samples):
     kl = sum((torch.tensor(s["old_logps"])[m] - torch.tensor(s["ref_logps"])[m]).clamp(-10, 10).sum().item()
              for s, m in zip(samples, masks))
     return {"train/kl": kl / max(sum(int(m.sum()) for m in masks), 1)}
-
-
-
-
-@torch.no_grad()
-def evaluate(args, roles, engines, eval_prompts, reward_fn, reward_models, tokenizer, env_cls=None):
-    n, timing = args.eval_n_samples_per_prompt, {}
-    seeds = [args.train.seed + 7919 * i for i in range(len(eval_prompts))]
-    groups, rewards = rollout_groups(args, roles, engines, eval_prompts, n, args.eval_temperature, 1.0, seeds,
-                                     reward_fn, reward_models, tokenizer, env_cls, timing)
-    if env_cls is not None:  # the model's own tokens
-        length = sum(len(ids) for g in groups for e in g for ids, trainable, _ in e.segments if trainable)
-    else:
-        length = sum(len(s.output_ids) for g in groups for s in g)
-    return {"eval/pass@1": rewards.mean().item(), f"eval/pass@{n}": rewards.max(1).values.mean().item(),
-            "eval/response_length": length / rewards.numel()}
