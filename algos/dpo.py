@@ -54,7 +54,7 @@ from common.infra.engine import (  # noqa: E402
     validate_data_args, world_size_from_env,
 )
 from common.infra.rings import RingArgs, ring_model_args, validate_ring_args  # noqa: E402
-from common.logprobs import response_logps, sharded_logps  # noqa: E402
+from common.logprobs import model_settings, response_logps, sharded_logps  # noqa: E402
 from common.packing import collate, per_sample_sum, to_device  # noqa: E402
 from common.infra.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 
@@ -233,7 +233,7 @@ def main(args: Args):
     ref_args = ModelArgs(pretrain=args.ref_pretrain or args.model.pretrain,
                          attn_implementation=args.model.attn_implementation, load_in_4bit=args.model.load_in_4bit)
     ref = frozen_engine(ref_args, args.train, world, offload=args.ref_offload)
-    layout = ref.layout  # the policy's too: the same attention kernel
+    layout = model_settings(ref).layout  # the policy's too: the same attention kernel
     batch_fn = lambda samples: make_batch(samples, args, pad_id, layout)  # noqa: E731
     ref_cache = eval_ref_cache = None
     if args.ref_cache:

@@ -45,6 +45,7 @@ from common.infra.engine import (  # noqa: E402
     run, save_hf_model, script_ckpt_args, setup, train_engine, validate_common_args, validate_data_args,
     world_size_from_env,
 )
+from common.logprobs import model_settings  # noqa: E402
 from common.packing import collate, to_device, unwrap  # noqa: E402
 from common.infra.reward import lockstep_forwards, sequence_rewards  # noqa: E402
 from common.infra.rings import RingArgs, ring_model_args, validate_ring_args  # noqa: E402
@@ -316,7 +317,7 @@ def evaluate(engine, eval_ds, args, pad_id, reward_ids):
     for i in progress(range(lockstep_forwards(engine, len(chunks))), is_rank0(), desc="eval", leave=False):
         # under ZeRO-3 a rank with fewer batches runs extra forwards (on row 0) in step with the busiest rank
         samples = chunks[i] if i < len(chunks) else micro_batches_of(eval_ds, [0], 1, args)[0]
-        batch = to_device(make_batch(samples, args, pad_id, engine.layout), device())
+        batch = to_device(make_batch(samples, args, pad_id, model_settings(engine).layout), device())
         _, stats = forward_loss(engine, batch, args, reward_ids)
         if i < len(chunks):
             for k in names:
@@ -386,7 +387,7 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
-        micro_batches = [to_device(make_batch(s, args, pad_id, engine.layout), device())
+        micro_batches = [to_device(make_batch(s, args, pad_id, model_settings(engine).layout), device())
                          for s in micro_batches_of(train_ds, world.shard(step_indices), micro, args)]
 
         # normaliser: pairs (or labelled steps) of the whole optimizer step, over every micro-batch and rank (the

@@ -29,7 +29,7 @@ from common.infra.engine import (  # noqa: E402
     validate_data_args, world_size_from_env,
 )
 from common.infra.rings import RingArgs, ring_model_args, validate_ring_args  # noqa: E402
-from common.logprobs import token_logps  # noqa: E402
+from common.logprobs import model_settings, token_logps  # noqa: E402
 from common.packing import collate, lockstep_shard, per_sample_sum, to_device  # noqa: E402
 from common.infra.tracking import LogArgs, MetricsLogger, eval_due, progress  # noqa: E402
 
@@ -129,7 +129,7 @@ def evaluate(engine, eval_ds, args, pad_id):
     for start in progress(range(0, len(padded), micro), is_rank0(), desc="eval", leave=False):
         (samples,) = batches_of(eval_ds, padded[start : start + micro], micro)
         valid = len(mine[start : start + micro])  # the padding repeats item 0: count only real items
-        batch = to_device(make_batch(samples, args, pad_id, engine.layout), device())
+        batch = to_device(make_batch(samples, args, pad_id, model_settings(engine).layout), device())
         logps, _, hits = token_logps(engine, batch, return_argmax=True, ring=None)  # each rank its own items
         mask = batch["loss_mask"]
         nll -= per_sample_sum(logps * mask, batch)[:valid].sum().item()
@@ -184,7 +184,7 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
-        micro_batches = [to_device(make_batch(s, args, pad_id, engine.layout), device())
+        micro_batches = [to_device(make_batch(s, args, pad_id, model_settings(engine).layout), device())
                          for s in batches_of(train_ds, world.shard(step_indices), micro)]
 
         # normaliser: loss tokens of the whole optimizer step, over every micro-batch and rank

@@ -25,6 +25,8 @@ class ModelSettings:
     export_use_cache: Optional[bool] = None
     """The model's own config.use_cache, which training turns off (packed rows) and save_hf_model exports; None:
     the config's."""
+    layout: Optional[object] = None
+    """How the model's micro-batches become rows (common.packing.Layout: from its attention kernel and ring)."""
 
 
 def model_settings(model):

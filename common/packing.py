@@ -35,8 +35,8 @@ def one_row_per_batch(attn_implementation=None):
 
 @dataclass(frozen=True)
 class Layout:
-    """How one model's micro-batches become rows (common.infra.engine's train_engine / frozen_engine set it as
-    `engine.layout`; a script's make_batch passes it to collate)."""
+    """How one model's micro-batches become rows (common.infra.engine.load_causal_lm keeps it in the model's
+    common.logprobs.ModelSettings; a script's make_batch passes it to collate)."""
     one_row: bool
     """One padding-free row per micro-batch: a per-sample attention kernel (one_row_per_batch) or a ring."""
     share_prefixes: bool

@@ -451,12 +451,14 @@ def load_causal_lm(model_args: ModelArgs, ds_config=None, path=None, model_cls=N
     """Load a causal LM for training or inference, in the dtype `ds_config` trains in (without one: bf16 on
     CUDA, fp32 on CPU), partitioned at load time under ZeRO-3, with LoRA / QLoRA adapters and gradient
     checkpointing as asked. The model keeps this project's settings of it (common.logprobs.ModelSettings: the
-    LM head's chunk, `ring` where its rows are split over one, the KV-cache setting to export)."""
+    LM head's chunk, `ring` where its rows are split over one, the KV-cache setting to export, the batch layout
+    its attention kernel takes); with a ring, the model must run it exactly (ValueError naming the flags)."""
     from transformers import AutoModelForCausalLM
 
     import common.kernels.varlen_attention  # noqa: F401  (registers varlen_sdpa by name)
     from common.infra.gpu import attention_implementation
     from common.logprobs import ModelSettings
+    from common.packing import batch_layout
 
     model_cls = model_cls or AutoModelForCausalLM
     if ds_config is not None and ds_config["zero_optimization"]["stage"] == 3:
@@ -478,9 +480,14 @@ def load_causal_lm(model_args: ModelArgs, ds_config=None, path=None, model_cls=N
         **kwargs,
     )
     _HF_DS_CONFIGS.clear()
+    if ring is not None:
+        from common.ring_attention import check_ring_model
+
+        check_ring_model(model, ring)
     # packed rows give wrong logits with the KV cache on; save_hf_model exports the model's own setting
     model.minrlhf = ModelSettings(logps_chunk_tokens=model_args.logps_chunk_tokens, ring=ring,
-                                  export_use_cache=model.config.use_cache)
+                                  export_use_cache=model.config.use_cache,
+                                  layout=batch_layout(model.config._attn_implementation, ring))
     model.config.use_cache = False
     if model_args.aux_loss_coef > 0:
         if not hasattr(model.config, "output_router_logits"):
@@ -651,33 +658,18 @@ def train_engine(model_args: ModelArgs, train: TrainArgs, num_training_steps, wo
                  **load_kwargs):
     """load_causal_lm (`load_kwargs`: e.g. model_cls for a reward or value model) wrapped by create_train_engine,
     for the ring of `world` where there is one (the model keeps it: common.logprobs.token_logps splits its rows over
-    it). The engine carries `engine.layout`, how this model's micro-batches
-    become rows (common.packing.Layout)."""
+    it)."""
     ds_config = deepspeed_config(train, world.size, ring_size=world.ring.size if world.ring else 1)
     model = load_causal_lm(model_args, ds_config, ring=world.ring, **load_kwargs)
-    return with_layout(create_train_engine(model, train, ds_config, num_training_steps, offload_states), world.ring)
+    return create_train_engine(model, train, ds_config, num_training_steps, offload_states)
 
 
 def frozen_engine(model_args: ModelArgs, train: TrainArgs, world: World, offload=False, **load_kwargs):
     """A frozen model (reference, teacher, reward model) under DeepSpeed inference (deepspeed_eval_config: ZeRO-3
-    partitioned when training is, parameters on the CPU with `offload`), with its ring and `engine.layout` as
-    train_engine sets them."""
+    partitioned when training is, parameters on the CPU with `offload`), over the ring of `world` as train_engine's."""
     ds_config = deepspeed_eval_config(train, world.size, offload=offload)
     model = load_causal_lm(model_args, ds_config, ring=world.ring, **load_kwargs)
-    return with_layout(create_eval_engine(model, ds_config), world.ring)
-
-
-def with_layout(engine, ring):
-    """Set engine.layout from the attention kernel the model was loaded with (the one place that reads it); with a
-    ring, check the model runs it exactly (ValueError naming the flags)."""
-    from common.packing import batch_layout, unwrap
-
-    if ring is not None:
-        from common.ring_attention import check_ring_model
-
-        check_ring_model(engine.module, ring)
-    engine.layout = batch_layout(unwrap(engine).config._attn_implementation, ring)
-    return engine
+    return create_eval_engine(model, ds_config)
 
 
 def resume(engine, ckpt: CkptArgs):

@@ -22,7 +22,7 @@ from common.infra.engine import (
 )
 from common.infra.roles import actor_class
 from common.packing import collate, to_device, unpack
-from common.logprobs import token_logps
+from common.logprobs import model_settings, token_logps
 from common.rollout import make_batch, token_sample
 
 
@@ -152,7 +152,7 @@ class TrainerRank:
         return max(longest, args.prompt_max_len + args.generate_max_len, args.agent.max_episode_tokens or 0)
 
     def _batch(self, samples, max_tokens, values=()):
-        layout = self.engine.layout
+        layout = model_settings(self.engine).layout
         share = self.spec.share_prompts and layout.share_prefixes
         return to_device(make_batch(samples, self.pad_id, max_tokens, layout.one_row, values, share), device())
 
@@ -187,7 +187,7 @@ class TrainerRank:
                                else ([samples[i : i + micro] for i in range(0, len(samples), micro)], 0))
             batches = [self._batch(chunk, max_tokens, spec.values) for chunk in chunks]
             extras = [to_device(collate(extra_steps[k][i : i + micro], self.pad_id, max_tokens=max_tokens,
-                                        one_row=engine.layout.one_row), device())
+                                        one_row=model_settings(engine).layout.one_row), device())
                       for i in range(0, len(samples), micro)] if extra_steps else [None] * len(batches)
             # counted on every rank: the ranks of a ring count their samples ring-size times, as DeepSpeed counts
             # them (common.infra.engine.deepspeed_config), and the loss is the ring's ring-size times. The loss
