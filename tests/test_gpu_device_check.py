@@ -24,7 +24,7 @@ def test_device_check_dry_run(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tests.scripts.gpu_device_check", "--dry-run",
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "PASS dry_run wheels=13 steps=13" in proc.stdout
+    assert "PASS dry_run wheels=13 steps=14" in proc.stdout
     assert json.loads((tmp_path / "summary.json").read_text()) == {"dry_run": True}
 
 
@@ -149,7 +149,7 @@ def test_device_check_rehearsal(tmp_path):
     env_step = json.loads((out / "steps" / "env.json").read_text())
     assert env_step["foreign"] == [] and set(env_step["files"]) == set(gpu_device_check.CARRIED)
     log = (out / "device_check.log").read_text()
-    assert log.count("PROBE ") == 1 and "DONE passed=13 failed=0" in log
+    assert log.count("PROBE ") == 1 and "DONE passed=14 failed=0" in log
     for step in gpu_device_check.CUDA_ONLY:
         assert f"CUDA ONLY {step}: " in log
     with tarfile.open(out / "device_check.tar.gz") as tar:

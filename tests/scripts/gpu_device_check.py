@@ -8,7 +8,8 @@ Steps: env (versions, driver floor, the carried packages imported from the insta
 against per-sample fp32 sdpa; packed = padded log-probs and gradients; the ring's flash-attn contract; the chunked
 LM head at a real vocabulary (values, gradients, peak memory); CUDA IPC of a tensor into a second process; sft.py
 (one-GPU default, ZeRO-2, ZeRO-3) and dpo.py (ZeRO-2, ZeRO-3) in bf16 against the same run in fp32 on CPU;
-DeepSpeed offload_states; bench_mfu (a figure, not a gate).
+DeepSpeed offload_states; bench_mfu (a figure, not a gate); the sampler-trainer log-prob gap (Hugging Face generate
+against the trainer's packed row, chunked head and whole logits).
 
 --rehearse (CPU, CI): every step on CPU where it has a CPU meaning, at the smallest shapes (fp32 kernels, bf16
 training against fp32, IPC through CPU shared memory); what has none (the driver, torch's flash kernels, peak device
@@ -58,6 +59,8 @@ STEP_MODULES = {  # imported before the step runs, so a step run alone has what 
     "dpo_zero3": ["algos.dpo"],
     "offload_states": ["common.infra.engine", "deepspeed"],
     "bench_mfu": ["benchmarks.bench_mfu"],
+    "logp_gap": ["tests.scripts.logp_gap_check", "common.kernels.varlen_attention", "common.infra.vllm_engine",
+                 "launch.tiny"],
 }
 CUDA_ONLY = {  # step: what of it a rehearsal cannot judge on CPU
     "env": "the driver floor, torch's varlen flash kernel present",
@@ -68,6 +71,7 @@ CUDA_ONLY = {  # step: what of it a rehearsal cannot judge on CPU
     "cuda_ipc": "CUDA IPC handles (CPU: shared memory through the same reduce_tensor)",
     "offload_states": "ZeRO-3 (its offload takes DeepSpeed's FusedAdam, CUDA only; CPU: ZeRO-2), device memory freed",
     "bench_mfu": "MFU against the GPU's bf16 peak at the full shape (CPU: one layer, 64 tokens)",
+    "logp_gap": "bf16 at the 2-layer Qwen2.5-0.5B shape and 151,936 vocabulary (CPU: the tiny Llama in fp32)",
 }
 
 DEV = {"device": "cuda", "dtype": "bfloat16", "tol": TOLERANCE_BF16}  # --rehearse: cpu, float32, TOLERANCE_FP32
@@ -433,12 +437,57 @@ def step_bench_mfu():
     return mfu > 0, figure, "reported against 40 %, not a gate", {"rows": rows}
 
 
+def step_logp_gap():
+    """The sampler-trainer log-prob gap of tests/test_logp_gap.py's CPU gate (its logp_gap: mismatch KL, mean and max
+    |logp difference| per sampled token), with Hugging Face `generate` as the sampler (no vLLM on the device): 4
+    prompts x 24 tokens at temperature 1 with each sampled token's log-prob, scored by the trainer's model
+    (load_causal_lm: varlen_sdpa, one packed row) through the chunked head and through whole logits. One process:
+    no ZeRO-3 or ring here (the CPU gate covers them). CUDA: the gate's 2-layer Qwen2.5-0.5B shape in bf16; CPU: the
+    tiny Llama in fp32."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.infra.engine import ModelArgs, load_causal_lm
+    from common.infra.vllm_engine import HFGenerator, SamplingArgs
+    from common.logprobs import logps_chunk_tokens, model_settings
+    from common.packing import one_row_per_batch
+    from tests.scripts.logp_gap_check import CHUNK_TOKENS, SEED, build_gap_model, logp_gap, scored
+
+    device, dtype = DEV["device"], _torch_dtype()
+    path = build_gap_model(tempfile.mkdtemp(prefix="minrlhf_gap_")) if device == "cuda" else f"{_assets()}/llama-0.5m"
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    sampler = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    g = torch.Generator().manual_seed(SEED)
+    prompts = [torch.randint(3, len(tokenizer), (8,), generator=g).tolist() for _ in range(4)]
+    out = [HFGenerator(sampler, tokenizer).generate([p], SamplingArgs(temperature=1.0, max_new_tokens=24,
+                                                                        ignore_eos=True, seed=SEED + i))[0][0]
+           for i, p in enumerate(prompts)]
+    samples, sampled = [(s.prompt_ids, s.output_ids) for s in out], [s.logprobs for s in out]
+    del sampler
+    model = load_causal_lm(ModelArgs(pretrain=path, logps_chunk_tokens=CHUNK_TOKENS)).to(device).eval()
+    one_row = one_row_per_batch(model.config._attn_implementation)
+    figures = {}
+    for name, chunk in (("chunked_head", CHUNK_TOKENS), ("whole_logits", 0)):
+        model.minrlhf = dataclasses.replace(model_settings(model), logps_chunk_tokens=chunk)
+        trainer, entropy = scored(model, samples, one_row, device)
+        with torch.no_grad():  # as scored computed them (where gradients flow the head can differ)
+            used = logps_chunk_tokens(model)
+        figures[name] = {**logp_gap(trainer, sampled), "entropy": entropy, "chunk_tokens": used}
+    kl = max(f["mismatch_kl"] for f in figures.values())
+    figure = " ".join(f"{n}: kl={f['mismatch_kl']:.2e} mean|dlogp|={f['logp_abs_diff_mean']:.2e}"
+                      for n, f in figures.items()) + f" entropy={figures['whole_logits']['entropy']:.2f}"
+    ok = kl <= 0.01 and figures["chunked_head"]["chunk_tokens"] == CHUNK_TOKENS  # the chunked head did run
+    return ok, figure, "mismatch KL <= 0.01 (prime-rl's)", figures
+
+
 STEPS = {"env": step_env, "varlen_kernel": step_varlen_kernel, "packed_vs_padded": step_packed_vs_padded,
          "ring_contract": step_ring_contract, "chunked_head": step_chunked_head, "cuda_ipc": step_cuda_ipc,
          "sft_default": lambda: _train_step("sft.py", None), "sft_zero2": lambda: _train_step("sft.py", 2),
          "sft_zero3": lambda: _train_step("sft.py", 3), "dpo_zero2": lambda: _train_step("dpo.py", 2),
          "dpo_zero3": lambda: _train_step("dpo.py", 3), "offload_states": step_offload_states,
-         "bench_mfu": step_bench_mfu}
+         "bench_mfu": step_bench_mfu, "logp_gap": step_logp_gap}
 
 
 def read_wheel_list(path=WHEELS):
