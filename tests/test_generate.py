@@ -156,6 +156,6 @@ def test_iterative_dpo_loop_raises_held_out_reward(assets, rl_start_model, tmp_p
         pairs = read_jsonl(out / f"gen_{k}.iter_dpo.jsonl")
         assert len(pairs) >= 16 and all(p["margin"] == 1.0 for p in pairs)
     before = held_out_exact_match(assets, rl_start_model, tmp_path / "eval_start.jsonl")
-    after = [held_out_exact_match(assets, str(out / f"model_{k}"), tmp_path / f"eval_{k}.jsonl") for k in range(2)]
+    after = held_out_exact_match(assets, str(out / "model_1"), tmp_path / "eval_1.jsonl")  # the loop's final policy
     # measured by hand (engine/DPO seed 42): 0.66 -> 0.725 -> 0.73; (seed 1): 0.66 -> 0.75 -> 0.745
-    assert after[1] >= before + 0.04, (before, after)
+    assert after >= before + 0.04, (before, after)

@@ -603,21 +603,27 @@ def test_skipped_zero_advantage_samples_leave_the_update_unchanged(assets, rl_st
 
 
 def test_bad_input(assets, rl_start_model, tmp_path):
+    """Bad arguments and rows fail before Ray starts; a reward file that raises ends a started run naming the file
+    and the exception (one trainer rank: the reward runs in the driver). The two early failures run beside the
+    started one."""
+    from conftest import run_scripts
+
     base = grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size", 64,
                      "--max_steps", 1)
-    proc = run_script("grpo.py", base + ["--n_samples_per_prompt", 1], expect_ok=False)
-    assert proc.returncode != 0 and "set --n_samples_per_prompt >= 2" in proc.stderr
-    assert "Ray" not in proc.stdout + proc.stderr.split("error:")[0]  # refused before Ray started
-    proc = run_script("grpo.py", base + ["--label_key", "solution"], expect_ok=False)
-    assert proc.returncode != 0 and "rl_train.jsonl: row 0: missing field 'solution' (--label_key)" in proc.stderr
     raising = tmp_path / "raising_reward.py"
     raising.write_text("def reward_func(queries, prompts, labels):\n"
                        "    return [1.0 / (len(label) - 7) for label in labels]  # a 7-character label divides by 0\n")
-    proc = run_script("grpo.py", grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16,
-                                           "--train_batch_size",
-                                           64, "--max_steps", 1, reward=raising), expect_ok=False, timeout=900)
-    assert proc.returncode != 0 and str(raising) in proc.stderr and "ZeroDivisionError" in proc.stderr
-    assert "sample" in proc.stderr
+    started, n_samples, label = run_scripts([
+        ("grpo.py", grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size", 64,
+                              "--max_steps", 1, "--actor_num_gpus_per_node", 1, reward=raising),
+         {"expect_ok": False, "timeout": 900}),
+        ("grpo.py", base + ["--n_samples_per_prompt", 1], {"expect_ok": False}),
+        ("grpo.py", base + ["--label_key", "solution"], {"expect_ok": False})])
+    assert n_samples.returncode != 0 and "set --n_samples_per_prompt >= 2" in n_samples.stderr
+    assert "Ray" not in n_samples.stdout + n_samples.stderr.split("error:")[0]  # refused before Ray started
+    assert label.returncode != 0 and "rl_train.jsonl: row 0: missing field 'solution' (--label_key)" in label.stderr
+    assert started.returncode != 0 and str(raising) in started.stderr and "ZeroDivisionError" in started.stderr
+    assert "sample" in started.stderr
 
 
 @pytest.mark.quick

@@ -295,8 +295,9 @@ def test_engine_in_ray_actor_generates_and_syncs(tiny):
         os.environ.pop("RAY_ADDRESS", None)
 
 
-def run_zero_sync_check(model_path, tmp_path, nproc, zero_stage, lora_rank):
-    """tests/scripts/zero_sync_check.py under torchrun; its JSON result."""
+def run_zero_sync_check(model_path, tmp_path, nproc, *configs):
+    """tests/scripts/zero_sync_check.py under torchrun for (zero_stage, lora_rank) configurations in one launch
+    (one engine start); its JSON result, one entry per configuration."""
     import json
     import subprocess
     import sys
@@ -304,23 +305,25 @@ def run_zero_sync_check(model_path, tmp_path, nproc, zero_stage, lora_rank):
     out = tmp_path / "result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(nproc),
-                           "-m", "tests.scripts.zero_sync_check", model_path, str(zero_stage),
-                           str(lora_rank), str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                           str(nproc), "-m", "tests.scripts.zero_sync_check", model_path, str(out),
+                           *(f"{zero_stage}:{lora_rank}" for zero_stage, lora_rank in configs)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("zero_stage,lora_rank", [(2, 0), (3, 4)])
-def test_sync_from_deepspeed_trainer_on_two_ranks(tiny, tmp_path, zero_stage, lora_rank):
-    """torchrun, 2 ranks: 3 DeepSpeed steps, then rank 0 pushes (ZeRO-3 gathered, LoRA merged)
-    into its vLLM engine; vLLM's log-probs equal the trainer's, also for prefixes cached before."""
-    result = run_zero_sync_check(tiny[0], tmp_path, 2, zero_stage, lora_rank)
-    assert result["backend"] == GLOO_BACKEND
-    assert result["stats"]["tensors"] == 21 and result["stats"]["bytes"] == 1622528  # every weight, fp32
-    trainer, vllm, before = result["trainer"], result["vllm"], result["vllm_before"]
-    assert max(abs(a - b) for t, v in zip(trainer, vllm) for a, b in zip(t, v)) <= 1e-4
-    assert max(abs(a - b) for t, v in zip(before, vllm) for a, b in zip(t, v)) > 1e-3  # training moved them
+def test_sync_from_deepspeed_trainer_on_two_ranks(tiny, tmp_path):
+    """torchrun, 2 ranks, ZeRO-2 and ZeRO-3 + LoRA 4 in turn over one engine: 3 DeepSpeed steps, then rank 0 pushes
+    (ZeRO-3 gathered, LoRA merged) into its vLLM engine, which held the start weights; vLLM's log-probs equal the
+    trainer's, also for prefixes cached before."""
+    results = run_zero_sync_check(tiny[0], tmp_path, 2, (2, 0), (3, 4))
+    assert [(r["zero_stage"], r["lora_rank"]) for r in results] == [(2, 0), (3, 4)]
+    for result in results:
+        assert result["backend"] == GLOO_BACKEND
+        assert result["stats"]["tensors"] == 21 and result["stats"]["bytes"] == 1622528  # every weight, fp32
+        trainer, vllm, before = result["trainer"], result["vllm"], result["vllm_before"]
+        assert max(abs(a - b) for t, v in zip(trainer, vllm) for a, b in zip(t, v)) <= 1e-4, result["zero_stage"]
+        assert max(abs(a - b) for t, v in zip(before, vllm) for a, b in zip(t, v)) > 1e-3  # training moved them
 
 
 @pytest.mark.gpu
@@ -328,7 +331,7 @@ def test_sync_from_deepspeed_trainer_on_two_ranks(tiny, tmp_path, zero_stage, lo
 def test_sync_on_cuda_through_vllm_ipc(tiny, tmp_path):
     """One GPU: a bf16 ZeRO-3 + LoRA trainer and its in-process engine share the device, so the weights
     travel through vLLM's own CUDA-IPC backend; vLLM's log-probs equal the trainer's to bf16 precision."""
-    result = run_zero_sync_check(tiny[0], tmp_path, 1, 3, 4)
+    (result,) = run_zero_sync_check(tiny[0], tmp_path, 1, (3, 4))
     assert result["backend"] == "ipc"
     assert result["stats"]["tensors"] == 21 and result["stats"]["bytes"] == 1622528 // 2  # every weight, bf16
     trainer, vllm, before = result["trainer"], result["vllm"], result["vllm_before"]
