@@ -181,14 +181,18 @@ def test_cached_teacher_equals_live(assets, tmp_path):
               "--teacher_top_k", 16, "--temperature", 2.0, "--divergence", "jsd", "--jsd_beta", 0.3, "--seed", 3]
     cache = tmp_path / "cache"
     runs = {}
-    for name, nproc, extra in [("write", 2, ["--teacher_cache", cache]), ("read", 1, ["--teacher_cache", cache]),
-                               ("live", 1, []), ("zero3", 2, ["--zero_stage", 3, "--logps_chunk_tokens", 16])]:
-        proc = run_script("distill.py", [*common, *extra, "--save_path", tmp_path / name,
-                                         "--metrics_file", tmp_path / f"{name}.jsonl"], nproc=nproc)
-        runs[name] = read_jsonl(tmp_path / f"{name}.jsonl")
-        if name in ("write", "read"):
-            verb = "written" if name == "write" else "loaded"
-            assert proc.stdout.count(f"teacher cache {verb}") == 2, proc.stdout[-2000:]  # train and eval sets
+    zero3 = ["--zero_stage", 3, "--logps_chunk_tokens", 16]
+    # two at a time, the cache's reader after its writer
+    for pair in ([("write", 2, ["--teacher_cache", cache]), ("live", 1, [])],
+                 [("read", 1, ["--teacher_cache", cache]), ("zero3", 2, zero3)]):
+        procs = run_scripts([("distill.py", [*common, *extra, "--save_path", tmp_path / name, "--metrics_file",
+                                             tmp_path / f"{name}.jsonl"], {"nproc": nproc})
+                             for name, nproc, extra in pair])
+        for (name, _, _), proc in zip(pair, procs):
+            runs[name] = read_jsonl(tmp_path / f"{name}.jsonl")
+            if name in ("write", "read"):
+                verb = "written" if name == "write" else "loaded"
+                assert proc.stdout.count(f"teacher cache {verb}") == 2, proc.stdout[-2000:]  # train and eval sets
     assert len(os.listdir(cache)) == 2
     live = runs["live"]
     assert [m["step"] for m in live] == [0, 1, 2]
