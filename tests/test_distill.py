@@ -325,7 +325,9 @@ def test_on_policy_with_vllm(assets, teacher, tmp_path):
     both ranks' prompts, and the teacher scores the samples; vLLM's log-probs of its samples equal the
     trainer's (the sync worked), the KL to the teacher falls on the student's own samples and on the held-out
     dataset responses, and the loss of an on-policy step is the KD term alone: no CE on the student's own samples
-    (--kd_coef 0.5: train/loss = 0.5 x train/kd, where a CE term would add 0.5 x train/nll)."""
+    (--kd_coef 0.5: train/loss = 0.5 x train/kd, where a CE term would add 0.5 x train/nll). Measured over
+    teacher-fixture seeds 0-2: the last two steps' KL 0.551-0.585 of the first step's (bar 0.7), held-out KL
+    5.36-5.42 -> 3.46-3.69."""
     data = f"{assets}/data/reverse"
     run_script("distill.py", [
         "--pretrain", f"{assets}/llama-0.5m", "--teacher_model", teacher, "--dataset", f"{data}/sft_train.jsonl",
