@@ -58,6 +58,12 @@ def run_tagged(script, args, timeout=300, nproc=1):
     return proc, time.time() - start, tag
 
 
+def without_eval(args):
+    """grpo_args without --eval_dataset: no held-out evaluation (200 prompts) before step 1 of a run that is to fail."""
+    at = args.index("--eval_dataset")
+    return args[:at] + args[at + 2:]
+
+
 def error_lines(proc):
     return [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
 
@@ -66,8 +72,9 @@ def test_grpo_engine_that_cannot_start(assets, tmp_path):
     """A KV-cache budget no machine of this kind holds (IMPOSSIBLE_KV: 107 GiB on 24 GiB machines): the
     driver stops as soon as the engine actor dies (before any rendezvous), naming it and vLLM's own
     first error line."""
-    args = grpo_args(assets, f"{assets}/llama-0.5m", tmp_path, "--rollout_batch_size", 16, "--train_batch_size", 64,
-                     "--max_steps", 1, *IMPOSSIBLE_KV)
+    args = without_eval(grpo_args(assets, f"{assets}/llama-0.5m", tmp_path, "--rollout_batch_size", 16,
+                                  "--train_batch_size", 64, "--max_steps", 1, "--actor_num_gpus_per_node", 1,
+                                  *IMPOSSIBLE_KV))
     proc, seconds, tag = run_tagged("grpo.py", args)
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = error_lines(proc)
@@ -82,8 +89,8 @@ def test_grpo_engine_that_cannot_start(assets, tmp_path):
 def test_grpo_trainer_killed_mid_run(assets, rl_start_model, tmp_path):
     """SIGKILL one trainer actor (as the OOM killer would) once the run is training: the driver ends
     within 60 s naming the trainer, and every process of the run is gone."""
-    args = grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size", 64,
-                     "--max_steps", 200, "--eval_steps", 1000)
+    args = without_eval(grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size",
+                                  64, "--max_steps", 200))
     tag, env = tagged_env()
     log = open(tmp_path / "grpo.log", "w+")  # a file, not a pipe nobody reads while the run logs
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "algos", "grpo.py")] + [str(a) for a in args], cwd=ROOT,
@@ -120,8 +127,8 @@ def test_grpo_stops_at_a_broken_weight_sync(assets, rl_start_model, tmp_path):
     --max_mismatch_kl, with step 1 logged healthy (fp32: a mismatch KL far below the bound)."""
     from common.infra.weight_sync import CORRUPT_WEIGHT_VARIABLE
 
-    args = grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size", 64,
-                     "--max_steps", 3, "--eval_steps", 1000, "--actor_num_gpus_per_node", 1)
+    args = without_eval(grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size",
+                                  64, "--max_steps", 3, "--actor_num_gpus_per_node", 1))
     tag, env = tagged_env()
     env[CORRUPT_WEIGHT_VARIABLE] = "model.norm.weight"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "algos", "grpo.py")] + [str(a) for a in args], cwd=ROOT,

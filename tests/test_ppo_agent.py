@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import ROOT, max_weight_diff, read_jsonl, run_script
+from conftest import ROOT, max_weight_diff, read_jsonl, run_script, run_scripts
 from test_ppo import ppo_args
 
 LOOKUP_ENV = os.path.join(ROOT, "launch", "agent_lookup.py")
@@ -32,14 +32,19 @@ def steps_of(path):
 
 
 @pytest.fixture(scope="module")
-def sync_run(assets, rl_start_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ppo_agent_sync")
-    run_script("ppo.py", lookup_args(assets, rl_start_model, tmp, "--max_steps", 3), timeout=900)
-    return tmp, steps_of(tmp / "metrics.jsonl")
+def runs(assets, rl_start_model, tmp_path_factory):
+    """The synchronous Env run and the --async_train --max_staleness 0 run over launch/agent_lookup_episode.py (the
+    task as an episode() function), 3 steps each, side by side (their start-ups overlap); {name: (tmp, steps)}."""
+    tmp = {name: tmp_path_factory.mktemp(f"ppo_agent_{name}") for name in ("sync", "async0")}
+    sync = lookup_args(assets, rl_start_model, tmp["sync"], "--max_steps", 3)
+    async0 = lookup_args(assets, rl_start_model, tmp["async0"], "--max_steps", 3, "--async_train", "--max_staleness", 0)
+    async0[async0.index("--agent_func_path") + 1] = os.path.join(ROOT, "launch", "agent_lookup_episode.py")
+    run_scripts([("ppo.py", sync, {"timeout": 900}), ("ppo.py", async0, {"timeout": 900})])
+    return {name: (tmp[name], steps_of(tmp[name] / "metrics.jsonl")) for name in tmp}
 
 
-def test_multiturn_episodes_train_on_the_models_tokens(sync_run):
-    _, steps = sync_run
+def test_multiturn_episodes_train_on_the_models_tokens(runs):
+    _, steps = runs["sync"]
     assert len(steps) == 3 and all(m["train/episode_turns"] >= 2 for m in steps)
     for m in steps:
         # the loss mask is the model's tokens: there the trainer's log-probs before the update are vLLM's; the
@@ -54,17 +59,12 @@ def test_multiturn_episodes_train_on_the_models_tokens(sync_run):
     assert sum(m["train/episode_forks"] for m in steps) <= 12
 
 
-def test_async_staleness_zero_with_an_episode_function_is_the_synchronous_env_run(sync_run, assets, rl_start_model,
-                                                                                 tmp_path):
+def test_async_staleness_zero_with_an_episode_function_is_the_synchronous_env_run(runs):
     """--async_train --max_staleness 0 over launch/agent_lookup_episode.py (the task as an episode() function:
     one engine call per turn and episode) trains exactly as the synchronous Env run (every turn of all episodes
     in one call): staleness 0 waits for each step's samples on the current weights, and vLLM's seeded samples do
     not depend on the batch."""
-    sync_tmp, sync = sync_run
-    args = lookup_args(assets, rl_start_model, tmp_path, "--max_steps", 3, "--async_train", "--max_staleness", 0)
-    args[args.index("--agent_func_path") + 1] = os.path.join(ROOT, "launch", "agent_lookup_episode.py")
-    run_script("ppo.py", args, timeout=900)
-    steps = steps_of(tmp_path / "metrics.jsonl")
+    (sync_tmp, sync), (async_tmp, steps) = runs["sync"], runs["async0"]
     assert len(steps) == len(sync) == 3
     for s, a in zip(sync, steps):
         assert a["async/staleness"] == 0 and a["async/policy_version"] == s["step"] - 1
@@ -72,8 +72,8 @@ def test_async_staleness_zero_with_an_episode_function_is_the_synchronous_env_ru
                     "train/policy_loss", "train/grad_norm", "critic/value_loss", "critic/explained_variance",
                     "rollout/logp_abs_diff_max"):
             assert a[key] == s[key], (key, s["step"], s[key], a[key])
-    assert max_weight_diff(sync_tmp / "out", tmp_path / "out") == 0.0
-    assert max_weight_diff(sync_tmp / "out" / "critic", tmp_path / "out" / "critic") == 0.0
+    assert max_weight_diff(sync_tmp / "out", async_tmp / "out") == 0.0
+    assert max_weight_diff(sync_tmp / "out" / "critic", async_tmp / "out" / "critic") == 0.0
 
 
 def test_one_step_off_policy_learns(assets, rl_start_model, tmp_path):
