@@ -54,3 +54,16 @@ def test_gap_under_bars(gap, dtype):
         assert figures["zero_stage"] == (3 if path == "optin" else 2), (path, figures)
         assert figures["chunk_tokens"] == (0 if path == "default_whole_logits" else 32), (path, figures)
         assert 3 < figures["entropy"] < 10, (path, figures)
+
+
+@pytest.mark.quick
+def test_gap_figures_by_hand():
+    """logp_gap (the gate's and the device check's) against hand values: log ratios 0 and 0.5 give k3 0 and
+    e^0.5 - 1.5, |difference| 0 and 0.5."""
+    import math
+
+    from logp_gap_check import logp_gap
+
+    figures = logp_gap([[-2.0, -1.0]], [[-2.0, -1.5]])
+    assert figures["tokens"] == 2 and figures["logp_abs_diff_max"] == 0.5 and figures["logp_abs_diff_mean"] == 0.25
+    assert abs(figures["mismatch_kl"] - (math.exp(0.5) - 1.5) / 2) < 1e-12
