@@ -75,11 +75,11 @@ def train_rows(n, length, vocab, seed):
 def one_step(engine, world, vocab):
     """One AdamW step on random rows (this rank's share; the ranks of a ring take the same one)."""
     from common.infra.engine import optimizer_step
-    from common.logprobs import token_logps
+    from common.logprobs import model_settings, token_logps
     from common.packing import collate
 
     engine.train()
-    batch = collate(train_rows(2, 24, vocab, SEED + 1 + world.dp_rank), 0, one_row=engine.layout.one_row,
+    batch = collate(train_rows(2, 24, vocab, SEED + 1 + world.dp_rank), 0, one_row=model_settings(engine).layout.one_row,
                     max_tokens=48)
     logps, _ = token_logps(engine, batch)
     engine.backward(-(logps * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
@@ -118,7 +118,7 @@ def path_gap(model_path, dtype, path, sync, llm, prompts, tokens, vocab):
     for name in [path, "default_whole_logits"] if path == "default" else [path]:
         if name == "default_whole_logits":
             hf_model(engine).minrlhf = dataclasses.replace(model_settings(engine), logps_chunk_tokens=0)
-        trainer, entropy = scored(engine, samples, engine.layout.one_row)
+        trainer, entropy = scored(engine, samples, model_settings(engine).layout.one_row)
         with torch.no_grad():
             chunk = logps_chunk_tokens(engine)
         results[name] = {**logp_gap(trainer, sampler), "entropy": entropy, "chunk_tokens": chunk,
