@@ -79,8 +79,8 @@ def one_step(engine, world, vocab):
     from common.packing import collate
 
     engine.train()
-    batch = collate(train_rows(2, 24, vocab, SEED + 1 + world.dp_rank), 0, one_row=model_settings(engine).layout.one_row,
-                    max_tokens=48)
+    rows = train_rows(2, 24, vocab, SEED + 1 + world.dp_rank)
+    batch = collate(rows, 0, one_row=model_settings(engine).layout.one_row, max_tokens=48)
     logps, _ = token_logps(engine, batch)
     engine.backward(-(logps * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
     optimizer_step(engine)
