@@ -81,19 +81,19 @@ def test_sft_learns_and_exports(assets, tmp_path, zero_stage, dtype):
 
 def test_loss_normalisation_across_accumulation_and_ranks(assets, tmp_path):
     """One optimizer step over 8 samples of different lengths gives the same loss, gradient norm and
-    weights with micro 8, micro 1 x 8 accumulation steps, 2 ranks, ZeRO-1/2/3, padded rows with gradient
-    checkpointing, optimizer offload (DeepSpeedCPUAdam) and ZeRO-3 parameter offload; the gradient is that of
-    the token mean over all 8 samples, and the weights those of one plain (per-op) torch AdamW step (the
+    weights with micro 8, micro 1 x 8 accumulation steps, 2 ranks with accumulation, ZeRO-1/2/3, padded rows with
+    gradient checkpointing, optimizer offload (DeepSpeedCPUAdam) and ZeRO-3 parameter offload; the gradient is that
+    of the token mean over all 8 samples, and the weights those of one plain (per-op) torch AdamW step (the
     engine runs the fused CPU kernel).  (Adam's first step is lr * sign(g) where |g| >> eps, so lr 1e-4
-    keeps float-summation noise on near-zero gradients below 1e-5.)  micro8 and micro1x8, a world of one under
-    ZeRO-0, skip DeepSpeed's gradient all-reduce (common.infra.engine.create_train_engine); ranks2 runs it."""
+    keeps float-summation noise on near-zero gradients below 1e-5.)  micro8, a world of one under ZeRO-0, skips
+    DeepSpeed's gradient all-reduce (common.infra.engine.create_train_engine); the two-rank runs run it."""
     data = f"{assets}/data/reverse/sft_train.jsonl"
     common = ["--pretrain", f"{assets}/llama-0.5m", "--dataset", data, *TASK, "--max_samples", 8,
               "--train_batch_size", 8, "--learning_rate", 1e-4, "--max_norm", 0, "--seed", 1]
     configs = [  # orthogonal options share a run: each run equal to micro8 proves each of its options
-        ("micro8", 1, 8, 0, []), ("micro1x8", 1, 1, 0, []), ("ranks2", 2, 2, 2, []),
-        ("padded_grad_ckpt", 1, 4, 1, ["--no_packing_samples", "--gradient_checkpointing"]),
-        ("adam_offload", 2, 4, 2, ["--adam_offload"]), ("zero3_param_offload", 2, 2, 3, ["--param_offload"]),
+        ("micro8", 1, 8, 0, []),
+        ("micro1x8_padded_grad_ckpt", 1, 1, 1, ["--no_packing_samples", "--gradient_checkpointing"]),
+        ("ranks2_adam_offload", 2, 2, 2, ["--adam_offload"]), ("zero3_param_offload", 2, 2, 3, ["--param_offload"]),
     ]
     run_scripts([("sft.py", [*common, "--micro_train_batch_size", micro, "--zero_stage", zero, "--save_path",
                              tmp_path / name, "--metrics_file", tmp_path / f"{name}.jsonl", *extra], {"nproc": nproc})
