@@ -223,7 +223,7 @@ def test_multiturn_lookup_task_learns(assets, rl_start_model, tmp_path):
     evals = [m["eval/pass@1"] for m in metrics if "eval/pass@1" in m]
     assert len(steps) == 12 and all(m["train/episode_turns"] >= 2 for m in steps)
     rewards = [m["train/reward"] for m in steps]
-    # measured: held-out greedy success 0.013 -> 0.502 (200 prompts); sampled reward 0.067 -> 0.321 (first / last 4)
+    # measured: held-out greedy success 0.013 -> 0.460 (200 prompts); sampled reward 0.052 -> 0.245 (first / last 4)
     assert evals[-1] - evals[0] >= 0.15, evals
     assert sum(rewards[-4:]) / 4 - sum(rewards[:4]) / 4 >= 0.1, rewards
     assert max(m["rollout/logp_abs_diff_max"] for m in steps) <= 1e-4  # measured ~2e-5 on the model's tokens

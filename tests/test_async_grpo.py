@@ -47,8 +47,8 @@ def test_one_step_off_policy_learns(assets, rl_start_model, tmp_path):
     assert all("rollout/logp_abs_diff_max" not in m for m in steps)  # old policy = vLLM's: nothing to check
     rewards = [m["train/reward"] for m in steps]
     evals = [m["eval/pass@1"] for m in metrics if "eval/pass@1" in m]
-    assert sum(rewards[-4:]) / 4 - sum(rewards[:4]) / 4 >= 0.03, rewards  # measured 0.529 -> 0.615 (first / last 4)
-    assert evals[-1] - evals[0] >= 0.04, evals  # measured 0.66 -> 0.745 (greedy exact match, 200 held-out prompts)
+    assert sum(rewards[-4:]) / 4 - sum(rewards[:4]) / 4 >= 0.03, rewards  # measured 0.530 -> 0.608 (first / last 4)
+    assert evals[-1] - evals[0] >= 0.04, evals  # measured 0.66 -> 0.74 (greedy exact match, 200 held-out prompts)
 
 
 @pytest.mark.quick

@@ -171,9 +171,9 @@ def test_chunked_losses_equal_whole_logits(assets, student_kind, one_thread):
 
 def test_cached_teacher_equals_live(assets, tmp_path):
     """The cache written under 2 ranks, the cache read back (a hit, under 1 rank) and the live teacher
-    give the same losses and eval metrics; top-k 16 and T = 2 exercise the stored top-k logits. So does a live
-    teacher under ZeRO-3 on 2 ranks with both heads in chunks of 16 (partitioned heads gathered per chunk, the
-    ranks agreeing on the chunk count; ~16 s)."""
+    give the same losses and eval metrics; top-k 16 and T = 2 exercise the stored top-k logits. The live teacher
+    runs under ZeRO-3 on 2 ranks with both heads in chunks of 16 (partitioned heads gathered per chunk, the
+    ranks agreeing on the chunk count)."""
     data = f"{assets}/data/reverse"
     common = ["--pretrain", f"{assets}/llama-0.5m", "--teacher_model", f"{assets}/qwen2-0.5m",
               "--dataset", f"{data}/sft_train.jsonl", "--eval_dataset", f"{data}/sft_test.jsonl", *TASK,
@@ -182,9 +182,9 @@ def test_cached_teacher_equals_live(assets, tmp_path):
     cache = tmp_path / "cache"
     runs = {}
     zero3 = ["--zero_stage", 3, "--logps_chunk_tokens", 16]
-    # two at a time, the cache's reader after its writer
-    for pair in ([("write", 2, ["--teacher_cache", cache]), ("live", 1, [])],
-                 [("read", 1, ["--teacher_cache", cache]), ("zero3", 2, zero3)]):
+    # the cache's reader after its writer
+    for pair in ([("write", 2, ["--teacher_cache", cache]), ("live_zero3", 2, zero3)],
+                 [("read", 1, ["--teacher_cache", cache])]):
         procs = run_scripts([("distill.py", [*common, *extra, "--save_path", tmp_path / name, "--metrics_file",
                                              tmp_path / f"{name}.jsonl"], {"nproc": nproc})
                              for name, nproc, extra in pair])
@@ -194,9 +194,9 @@ def test_cached_teacher_equals_live(assets, tmp_path):
                 verb = "written" if name == "write" else "loaded"
                 assert proc.stdout.count(f"teacher cache {verb}") == 2, proc.stdout[-2000:]  # train and eval sets
     assert len(os.listdir(cache)) == 2
-    live = runs["live"]
+    live = runs["live_zero3"]
     assert [m["step"] for m in live] == [0, 1, 2]
-    for name in ("write", "read", "zero3"):
+    for name in ("write", "read"):
         assert len(runs[name]) == len(live), name
         for a, b in zip(runs[name], live):
             for key in ("train/loss", "train/kd", "eval/loss", "eval/kd", "eval/nll"):

@@ -73,7 +73,7 @@ def test_grpo_engine_that_cannot_start(assets, tmp_path):
     driver stops as soon as the engine actor dies (before any rendezvous), naming it and vLLM's own
     first error line."""
     args = without_eval(grpo_args(assets, f"{assets}/llama-0.5m", tmp_path, "--rollout_batch_size", 16,
-                                  "--train_batch_size", 64, "--max_steps", 1, "--actor_num_gpus_per_node", 1,
+                                  "--train_batch_size", 64, "--max_steps", 1,
                                   *IMPOSSIBLE_KV))
     proc, seconds, tag = run_tagged("grpo.py", args)
     assert proc.returncode == 1, proc.stderr[-3000:]
@@ -90,7 +90,7 @@ def test_grpo_trainer_killed_mid_run(assets, rl_start_model, tmp_path):
     """SIGKILL one trainer actor (as the OOM killer would) once the run is training: the driver ends
     within 60 s naming the trainer, and every process of the run is gone."""
     args = without_eval(grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size",
-                                  64, "--max_steps", 200))
+                                  64, "--max_steps", 200, "--actor_num_gpus_per_node", 2))
     tag, env = tagged_env()
     log = open(tmp_path / "grpo.log", "w+")  # a file, not a pipe nobody reads while the run logs
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "algos", "grpo.py")] + [str(a) for a in args], cwd=ROOT,
@@ -128,7 +128,7 @@ def test_grpo_stops_at_a_broken_weight_sync(assets, rl_start_model, tmp_path):
     from common.infra.weight_sync import CORRUPT_WEIGHT_VARIABLE
 
     args = without_eval(grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size",
-                                  64, "--max_steps", 3, "--actor_num_gpus_per_node", 1))
+                                  64, "--max_steps", 3))
     tag, env = tagged_env()
     env[CORRUPT_WEIGHT_VARIABLE] = "model.norm.weight"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "algos", "grpo.py")] + [str(a) for a in args], cwd=ROOT,

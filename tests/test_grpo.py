@@ -435,13 +435,15 @@ def test_shared_prompt_batch_equals_whole_samples(assets):
 
 
 # ----------------------------------------------------------------------------------------------
-# End to end: python algos/grpo.py (Ray driver) with 2 trainer ranks and one vLLM engine
+# End to end: python algos/grpo.py (Ray driver) with one or two trainer ranks and one vLLM engine
 # ----------------------------------------------------------------------------------------------
 def grpo_args(assets, model, tmp, *extra, reward=REWARD):
+    """One trainer rank (a launch's cost is mostly its processes' start-up); the runs about ranks and the
+    learning run pass --actor_num_gpus_per_node 2."""
     return ["--pretrain", model, "--prompt_data", f"{assets}/data/reverse/rl_train.jsonl",
             "--eval_dataset", f"{assets}/data/reverse/rl_test.jsonl", "--input_key", "prompt", "--label_key", "answer",
             "--apply_chat_template", "--remote_rm_url", reward, "--n_samples_per_prompt", 8,
-            "--micro_train_batch_size", 16, "--micro_rollout_batch_size", 16, "--actor_num_gpus_per_node", 2,
+            "--micro_train_batch_size", 16, "--micro_rollout_batch_size", 16, "--actor_num_gpus_per_node", 1,
             "--vllm_num_engines", 1, "--prompt_max_len", 48, "--generate_max_len", 16, "--max_model_len", 128,
             "--eval_temperature", 0, "--eval_n_samples_per_prompt", 1,
             "--save_path", tmp / "out", "--metrics_file", tmp / "metrics.jsonl", *extra]
@@ -470,7 +472,7 @@ def learning_run(assets, rl_start_model, tmp_path_factory):
 
 
 LEARNING_RUN = ["--rollout_batch_size", 64, "--train_batch_size", 256, "--max_epochs", 2, "--actor_learning_rate",
-                1e-4]
+                1e-4, "--actor_num_gpus_per_node", 2]
 
 
 def test_grpo_learns_reversal(learning_run):
@@ -512,15 +514,14 @@ ESTIMATOR_RUNS = {
     # each estimator once, each run also covering a placement / model / KL / reward-source variant; CISPO and GSPO
     # (--policy_loss) meet the bar the PPO-clip runs meet, on the same budget
     "dr_grpo_colocated_two_engines": ["--advantage_estimator", "dr_grpo", "--colocate_all_models", "--vllm_num_engines",
-                                      2,
-                                      "--vllm_enable_sleep"],
+                                      2, "--vllm_enable_sleep", "--actor_num_gpus_per_node", 2],
     "rloo_lora_cispo": ["--advantage_estimator", "rloo", "--lora_rank", 8, "--actor_learning_rate", 1e-3,
                         "--policy_loss", "cispo"],
     "reinforce_kl_in_reward_http_reward_bf16": ["--advantage_estimator", "reinforce", "--init_kl_coef", 0.01,
                                                 "--param_dtype", "bf16"],
     "reinforce_baseline_kl_loss_zero3_gspo": ["--advantage_estimator", "reinforce_baseline", "--init_kl_coef", 0.01,
                                               "--use_kl_loss", "--kl_estimator", "k3", "--zero_stage", 3,
-                                              "--policy_loss", "gspo"],
+                                              "--policy_loss", "gspo", "--actor_num_gpus_per_node", 2],
 }
 
 
@@ -615,7 +616,7 @@ def test_bad_input(assets, rl_start_model, tmp_path):
                        "    return [1.0 / (len(label) - 7) for label in labels]  # a 7-character label divides by 0\n")
     started, n_samples, label = run_scripts([
         ("grpo.py", grpo_args(assets, rl_start_model, tmp_path, "--rollout_batch_size", 16, "--train_batch_size", 64,
-                              "--max_steps", 1, "--actor_num_gpus_per_node", 1, reward=raising),
+                              "--max_steps", 1, reward=raising),
          {"expect_ok": False, "timeout": 900}),
         ("grpo.py", base + ["--n_samples_per_prompt", 1], {"expect_ok": False}),
         ("grpo.py", base + ["--label_key", "solution"], {"expect_ok": False})])

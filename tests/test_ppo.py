@@ -206,14 +206,16 @@ def test_argument_errors_and_critic_default(assets, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# End to end: python algos/ppo.py (Ray driver), 2 actor ranks, 1 critic rank, 1 vLLM engine
+# End to end: python algos/ppo.py (Ray driver), 1 or 2 actor ranks, 1 critic rank, 1 vLLM engine
 # ----------------------------------------------------------------------------------------------
 def ppo_args(assets, model, tmp, *extra):
+    """One actor and one critic rank (a launch's cost is mostly its processes' start-up); the learning run and its
+    resume pass --actor_num_gpus_per_node 2."""
     return ["--pretrain", model, "--prompt_data", f"{assets}/data/reverse/rl_train.jsonl",
             "--eval_dataset", f"{assets}/data/reverse/rl_test.jsonl", "--input_key", "prompt", "--label_key", "answer",
             "--apply_chat_template", "--remote_rm_url", REWARD, "--n_samples_per_prompt", 4,
             "--rollout_batch_size", 32, "--train_batch_size", 64, "--micro_train_batch_size", 16,
-            "--micro_rollout_batch_size", 16, "--actor_num_gpus_per_node", 2, "--critic_num_gpus_per_node", 1,
+            "--micro_rollout_batch_size", 16, "--actor_num_gpus_per_node", 1, "--critic_num_gpus_per_node", 1,
             "--vllm_num_engines", 1,
             "--max_epochs", 2, "--actor_learning_rate", 1e-4, "--critic_learning_rate", 1e-3,
             "--prompt_max_len", 48, "--generate_max_len", 16, "--max_model_len", 128,
@@ -232,7 +234,8 @@ def run(assets, rl_start_model, tmp_path_factory):
     checkpoints at steps 18 and 20; (tmp, {step: metrics}, [eval pass@1])."""
     tmp = tmp_path_factory.mktemp("ppo_run")
     run_script("ppo.py", ppo_args(assets, rl_start_model, tmp, "--max_steps", 20, "--freezing_actor_steps", 2,
-                                  "--save_steps", 18, "--ckpt_path", tmp / "ckpt"), timeout=900)
+                                  "--actor_num_gpus_per_node", 2, "--save_steps", 18, "--ckpt_path", tmp / "ckpt"),
+               timeout=900)
     metrics = read_jsonl(tmp / "metrics.jsonl")
     return tmp, {m["step"]: m for m in metrics if "train/reward" in m}, [m["eval/pass@1"] for m in metrics
                                                                         if "eval/pass@1" in m]
@@ -280,7 +283,8 @@ def test_resume_reproduces_actor_and_critic(run, assets, rl_start_model):
     for role in ("actor", "critic"):
         (tmp / "ckpt" / role / "latest").write_text("global_step18")
     proc = run_script("ppo.py", without_eval(ppo_args(assets, rl_start_model, tmp / "resumed", "--max_steps", 20,
-                                                      "--freezing_actor_steps", 2, "--load_checkpoint",
+                                                      "--freezing_actor_steps", 2, "--actor_num_gpus_per_node", 2,
+                                                      "--load_checkpoint",
                                                       "--ckpt_path", tmp / "ckpt")), timeout=900)
     assert "resumed from" in proc.stdout and "at step 18" in proc.stdout
     resumed = {m["step"]: m for m in read_jsonl(tmp / "resumed" / "metrics.jsonl") if "train/reward" in m}
@@ -308,7 +312,7 @@ def test_colocated_lora_actor_with_reference_reward_model_and_ptx(assets, rl_sta
             tmp_path / f"rm{seed}")
         AutoTokenizer.from_pretrained(rl_start_model).save_pretrained(tmp_path / f"rm{seed}")
     args = without_eval(ppo_args(
-        assets, rl_start_model, tmp_path, "--actor_num_gpus_per_node", 1, "--colocate_all_models", "--lora_rank", 8,
+        assets, rl_start_model, tmp_path, "--colocate_all_models", "--lora_rank", 8,
         "--actor_learning_rate", 1e-3, "--init_kl_coef", 0.01, "--reward_pretrain", f"{tmp_path}/rm0,{tmp_path}/rm1",
         "--pretrain_data", f"{assets}/data/reverse/pretrain_train.jsonl", "--ptx_coef", 0.5, "--max_steps", 4,
         "--deepspeed_enable_sleep"))
