@@ -586,7 +586,7 @@ def test_skipped_zero_advantage_samples_leave_the_update_unchanged(assets, rl_st
     run_scripts([("grpo.py", args("skip", "--advantage_estimator", "dr_grpo"), {"timeout": 900}),
                  ("grpo.py", args("plain", "--advantage_estimator", "dr_grpo", "--no_skip_zero_advantage"),
                   {"timeout": 900}),
-                 ("grpo.py", args("group_norm", "--max_steps", 1), {"timeout": 900})])
+                 ("grpo.py", args("group_norm", "--max_steps", 1, "--actor_num_gpus_per_node", 1), {"timeout": 900})])
     runs = {name: [m for m in read_jsonl(tmp_path / f"{name}.jsonl") if "train/reward" in m]
             for name in ("skip", "plain", "group_norm")}
     for name in ("skip", "plain"):
