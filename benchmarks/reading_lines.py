@@ -36,9 +36,9 @@ OPT_IN = {"common/ring_attention.py", "common/episodes.py", "common/async_rollou
 REGISTRY_CALLS = {"register", "register_engine"}
 PUBLIC_DUNDERS = {"__init__", "__call__"}  # methods whose face a class shows, besides those not starting with _
 SCRIPTS = ["algos/sft.py", "algos/dpo.py", "algos/grpo.py", "algos/ppo.py"]
-TARGETS = {"algos/sft.py": (600, 1100), "algos/dpo.py": (700, 1250), "algos/grpo.py": (1050, 2400),
-           "algos/ppo.py": (1300, 2650)}  # script -> (A, B)
-TIER_TARGETS = {"read": 900, "core": 2800}  # core = common/ without opt-in and kernel modules
+TARGETS = {"algos/sft.py": (650, 1450), "algos/dpo.py": (765, 1600), "algos/grpo.py": (1235, 3350),
+           "algos/ppo.py": (1390, 3600)}  # script -> (A, B): the must-read promise, the default-path ceiling
+TIER_TARGETS = {"read": 900, "core": 3700}  # core = common/ without opt-in and kernel modules
 
 
 def first_line(node):
