@@ -27,6 +27,9 @@ class ModelSettings:
     the config's."""
     layout: Optional[object] = None
     """How the model's micro-batches become rows (common.packing.Layout: from its attention kernel and ring)."""
+    clip_grad_norm_in_step: float = 0.0
+    """The max norm common.infra.engine.optimizer_step clips the gradients to (plain ZeRO-0, set by
+    create_train_engine); 0: DeepSpeed clips, or nothing does."""
 
 
 def model_settings(model):

@@ -527,6 +527,8 @@ def create_train_engine(model, train: TrainArgs, ds_config, num_training_steps, 
     from transformers import get_scheduler
 
     from common.infra.gpu import optimizer_kind
+    from common.kernels.chunked_head import hf_model
+    from common.logprobs import model_settings
 
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -559,8 +561,9 @@ def create_train_engine(model, train: TrainArgs, ds_config, num_training_steps, 
     plain_zero0 = stage == 0 and not wrapped
     if plain_zero0:
         ds_config = {**ds_config, "gradient_clipping": 0.0}
+    clip_in_step = train.max_norm if plain_zero0 else 0.0
+    hf_model(model).minrlhf = replace(model_settings(model), clip_grad_norm_in_step=clip_in_step)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-    engine.clip_grad_norm_in_step = train.max_norm if plain_zero0 else 0.0
     if dist.get_world_size() == 1 and plain_zero0:
         # a world of one has nothing to all-reduce, yet ZeRO-0 flattens every gradient, all-reduces the copy
         # in fp32 (here the gradients' own dtype: an exact identity) and copies it back: ~11 % of the CPU time
@@ -586,13 +589,15 @@ def optimizer_step(engine):
     """engine.step(); at an accumulation boundary returns the global gradient norm (before
     clipping), which DeepSpeed keeps for ZeRO 1-3 and which is computed here for ZeRO-0 (and the
     gradients clipped with it, where create_train_engine left the clipping to this step)."""
+    from common.logprobs import model_settings
+
     boundary = engine.is_gradient_accumulation_boundary()
     norm = None
     if boundary and engine.zero_optimization_stage() == 0:  # gradients are all-reduced by now
         params = [p for p in engine.module.parameters() if p.grad is not None]
         total = torch.nn.utils.get_total_norm([p.grad.detach().float() for p in params]) if params else None
         norm = total.item() if params else 0.0  # foreach: one kernel, not one per tensor
-        max_norm = getattr(engine, "clip_grad_norm_in_step", 0.0)
+        max_norm = model_settings(engine).clip_grad_norm_in_step
         if params and 0 < max_norm < norm + 1e-6:  # torch's and DeepSpeed's rule: scale by max_norm / (norm + 1e-6)
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     engine.step()
