@@ -25,10 +25,11 @@ cores = len(os.sched_getaffinity(0))
 available_kib = int(next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemAvailable")))
 print(max(1, min(cores, available_kib // (6 * 2**20))))')}
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
-# The speed probe scales the tier's budget to this machine (tests/scripts/suite_budget.py); a whole tier run past
+# The speed probes scale the tier's budget to this machine (tests/scripts/suite_budget.py); a whole tier run past
 # it fails, naming its slowest tests. A run narrowed by extra arguments has no budget.
-read -r gflops budget < <(.venv/bin/python tests/scripts/suite_budget.py --$tier)
-echo "speed probe: $gflops GFLOP/s (fp32 matmul, one thread); $tier tier budget ${budget} s"
+read -r gflops import_s budget < <(.venv/bin/python tests/scripts/suite_budget.py --$tier)
+echo "speed probes: $gflops GFLOP/s (fp32 matmul, one thread), $import_s s to import torch and transformers;" \
+  "$tier tier budget ${budget} s"
 if [ $# -eq 0 ]; then
   export MINRLHF_SUITE_BUDGET_S=$budget
 fi

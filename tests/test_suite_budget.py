@@ -13,13 +13,20 @@ pytestmark = pytest.mark.quick
 
 
 def test_budget_grows_on_slower_machines_only():
-    reference = suite_budget.REFERENCE_GFLOPS
-    assert suite_budget.budget_s(reference) == suite_budget.REFERENCE_BUDGET_S["full"]
-    assert suite_budget.budget_s(reference / 2) == 2 * suite_budget.REFERENCE_BUDGET_S["full"]
-    assert suite_budget.budget_s(reference * 3) == suite_budget.REFERENCE_BUDGET_S["full"]
+    """By the slower of the two probes' ratios to the reference machine: a fast matmul does not shorten the budget
+    of a machine that starts Python slowly."""
+    reference, full = suite_budget.REFERENCE_GFLOPS, suite_budget.REFERENCE_BUDGET_S["full"]
+    start_up = suite_budget.REFERENCE_IMPORT_S
+    assert suite_budget.budget_s(reference) == full
+    assert suite_budget.budget_s(reference / 2) == 2 * full
+    assert suite_budget.budget_s(reference * 3) == full
     assert suite_budget.budget_s(reference / 4, "quick") == 4 * suite_budget.REFERENCE_BUDGET_S["quick"]
+    assert suite_budget.budget_s(reference * 2, import_s=start_up * 1.5) == pytest.approx(1.5 * full)
+    assert suite_budget.budget_s(reference / 2, import_s=start_up * 1.5) == 2 * full
+    assert suite_budget.budget_s(reference, import_s=start_up / 2) == full
     gflops = suite_budget.probe_gflops(repeats=2, matmuls=2)
     assert 1.0 < gflops < 10_000.0
+    assert 0.1 < suite_budget.probe_import_s(repeats=1) < 120.0
 
 
 def test_verdict_names_the_slowest_tests():
