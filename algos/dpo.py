@@ -147,10 +147,12 @@ def pair_samples(ds, indices):
 
 def make_batch(samples, args, pad_id, layout):
     """Packed rows (one row where `layout.one_row`, see common.packing.Layout), or padded rows; where the kernel
-    reads branches (`layout.share_prefixes`), rejected responses as branches of their chosen samples' prompts."""
-    return collate(samples, pad_id, packing=args.data.packing_samples,
-                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=layout.one_row,
-                   share_prefixes=args.data.packing_samples and layout.share_prefixes)
+    reads branches (`layout.share_prefixes`), rejected responses as branches of their chosen samples' prompts; on
+    the device."""
+    batch = collate(samples, pad_id, packing=args.data.packing_samples,
+                    max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=layout.one_row,
+                    share_prefixes=args.data.packing_samples and layout.share_prefixes)
+    return to_device(batch, device())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,7 +271,7 @@ def main(args: Args):
         sums = {}
         for m in range(0, len(local), micro):
             idx = local[m : m + micro]
-            batch = to_device(batch_fn(pair_samples(train_ds, idx)), device())
+            batch = batch_fn(pair_samples(train_ds, idx))
             logps, outputs = response_logps(engine, batch)
             chosen, rejected = logps[: len(idx)], logps[len(idx) :]
             if ref_cache is not None:

@@ -129,7 +129,7 @@ def evaluate(engine, eval_ds, args, pad_id):
     for start in progress(range(0, len(padded), micro), is_rank0(), desc="eval", leave=False):
         (samples,) = batches_of(eval_ds, padded[start : start + micro], micro)
         valid = len(mine[start : start + micro])  # the padding repeats item 0: count only real items
-        batch = to_device(make_batch(samples, args, pad_id, model_settings(engine).layout), device())
+        batch = make_batch(samples, args, pad_id, model_settings(engine).layout)
         logps, _, hits = token_logps(engine, batch, return_argmax=True, ring=None)  # each rank its own items
         mask = batch["loss_mask"]
         nll -= per_sample_sum(logps * mask, batch)[:valid].sum().item()
@@ -141,9 +141,10 @@ def evaluate(engine, eval_ds, args, pad_id):
 
 
 def make_batch(samples, args, pad_id, layout):
-    """Packed rows (one row where `layout.one_row`, see common.packing.Layout), or padded rows."""
-    return collate(samples, pad_id, packing=args.data.packing_samples,
-                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=layout.one_row)
+    """Packed rows (one row where `layout.one_row`, see common.packing.Layout), or padded rows, on the device."""
+    batch = collate(samples, pad_id, packing=args.data.packing_samples,
+                    max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=layout.one_row)
+    return to_device(batch, device())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,7 +185,7 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
-        micro_batches = [to_device(make_batch(s, args, pad_id, model_settings(engine).layout), device())
+        micro_batches = [make_batch(s, args, pad_id, model_settings(engine).layout)
                          for s in batches_of(train_ds, world.shard(step_indices), micro)]
 
         # normaliser: loss tokens of the whole optimizer step, over every micro-batch and rank

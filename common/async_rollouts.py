@@ -6,7 +6,6 @@ import queue
 import threading
 
 from common.infra.roles import RoleFailed
-from common.rollout import off_policy
 
 
 class Rollouts:
@@ -17,7 +16,6 @@ class Rollouts:
 
     def __init__(self, args, collect, first_step, total_steps, position):
         self.collect, self.position, self.version, self.total = collect, position, first_step, total_steps
-        assert off_policy(args), "synchronous rollouts need no thread: call collect() when the step asks"
         self.ahead = args.async_rollout.max_staleness
         self.timeout_s, self.changed = args.async_rollout.rollout_timeout, threading.Condition()
         self.ready, self.collected, self.error = queue.Queue(), first_step, None

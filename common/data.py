@@ -51,11 +51,6 @@ class DataArgs(PromptArgs):
     (flash-attention, varlen_sdpa: the defaults) take each micro-batch as one row, padding-free."""
 
 
-def split_specs(specs):
-    """The datasets of a comma list."""
-    return [s.strip() for s in (specs or "").split(",") if s.strip()]
-
-
 class BadRow(ValueError):
     """Raised by a row function for a row that cannot be used; the message names the field."""
 

@@ -51,12 +51,13 @@ def token_logps(model, batch, return_argmax=False, return_entropy=False, ring="m
 
     `ring`: "model", the ring the model runs over (model_settings), where every rank of the ring holds the same
     one-row batch; None, this rank's batch whole (ranks holding different items: lockstep_shard); or a Ring."""
+    chunk = logps_chunk_tokens(model)
     ring = model_settings(model).ring if ring == "model" else ring
     if ring is not None:
         from common.ring_attention import ring_token_logps
 
-        return ring_token_logps(model, batch, ring, logps_chunk_tokens(model), return_argmax, return_entropy)
-    return forward_token_logps(model, batch, logps_chunk_tokens(model), return_argmax, return_entropy)
+        return ring_token_logps(model, batch, ring, chunk, return_argmax, return_entropy)
+    return forward_token_logps(model, batch, chunk, return_argmax, return_entropy)
 
 
 def response_logps(model, batch, ring="model"):

@@ -12,9 +12,14 @@ from dataclasses import fields, is_dataclass
 from typing import Callable
 
 import common.data
-from common.data import BadRow, DataArgs, PromptArgs, split_specs
+from common.data import BadRow, DataArgs, PromptArgs
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+def split_specs(specs):
+    """The datasets of a comma list."""
+    return [s.strip() for s in (specs or "").split(",") if s.strip()]
 
 
 def load_one(spec, split):

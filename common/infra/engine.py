@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 import tyro
 
-from common.data import DataArgs, PromptArgs, split_specs
+from common.data import DataArgs, PromptArgs
+from common.infra.datasets import split_specs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -562,7 +563,8 @@ def create_train_engine(model, train: TrainArgs, ds_config, num_training_steps, 
     if plain_zero0:
         ds_config = {**ds_config, "gradient_clipping": 0.0}
     clip_in_step = train.max_norm if plain_zero0 else 0.0
-    hf_model(model).minrlhf = replace(model_settings(model), clip_grad_norm_in_step=clip_in_step)
+    settings = replace(model_settings(model), clip_grad_norm_in_step=clip_in_step)
+    hf_model(model).minrlhf = settings
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     if dist.get_world_size() == 1 and plain_zero0:
         # a world of one has nothing to all-reduce, yet ZeRO-0 flattens every gradient, all-reduces the copy
@@ -647,15 +649,13 @@ def setup(ring_args, seed) -> World:
     trainer rank after its rendezvous, stays in it), build the attention rings of `ring_args` (a
     common.infra.rings.RingArgs) and seed every generator."""
     init_distributed()
-    ring = None
-    if ring_args.ring_attn_size > 1:
-        from common.ring_attention import setup_ring
-
-        ring = setup_ring(ring_args)
-    size = dist.get_world_size()
     set_seed(seed)
-    if ring is None:
+    size = dist.get_world_size()
+    if ring_args.ring_attn_size <= 1:
         return World(size=size, dp_rank=dist.get_rank(), dp_world=size)
+    from common.ring_attention import setup_ring
+
+    ring = setup_ring(ring_args)
     return World(size=size, dp_rank=ring.dp_rank, dp_world=ring.dp_world, ring=ring)
 
 
