@@ -224,9 +224,10 @@ def samples_of(ds, indices):
 
 
 def make_batch(samples, args, pad_id, layout):
-    """Packed rows (one row where `layout.one_row`, see common.packing.Layout), or padded rows."""
-    return collate(samples, pad_id, packing=args.data.packing_samples,
-                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=layout.one_row)
+    """Packed rows (one row where `layout.one_row`, see common.packing.Layout), or padded rows; on the device."""
+    return to_device(collate(samples, pad_id, packing=args.data.packing_samples,
+                             max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=layout.one_row),
+                     device())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -378,7 +379,7 @@ def cached_teacher(load_teacher, ds, cache_dir, key_parts, args: Args, vocab, ba
         index, values, ids, counts = [], [], [], []
         for start in range(0, len(padded), micro):
             chunk, valid = padded[start : start + micro], mine[start : start + micro]
-            batch = to_device(batch_fn(samples_of(ds, chunk)), device())
+            batch = batch_fn(samples_of(ds, chunk))
             v, i, c = teacher_targets(teacher, batch, args.teacher_top_k, vocab)
             n = int(c[: len(valid)].sum())  # the padding repeats item 0: keep only real items
             index += valid
@@ -427,7 +428,7 @@ def evaluate(engine, teacher, eval_ds, eval_cache, args, batch_fn, vocab):
     micro = args.train.micro_train_batch_size
     for start in progress(range(0, len(padded), micro), is_rank0(), desc="eval", leave=False):
         chunk, valid = padded[start : start + micro], mine[start : start + micro]
-        batch = to_device(batch_fn(samples_of(eval_ds, chunk)), device())
+        batch = batch_fn(samples_of(eval_ds, chunk))
         logits, targets, counts = response_logits(engine, batch)
         from_teacher = stack_cached(eval_cache, chunk) if eval_cache is not None else teacher_logits(teacher, batch)
         kd, ce, hit = token_losses(logits, targets, from_teacher, args, vocab)
@@ -565,7 +566,7 @@ def main(args: Args):
             samples, vllm_logps, sync_s, gen_s = on_policy_samples(llm, sync, engine, samples, args, step)
             metrics.update({"perf/sync_s": sync_s, "perf/generate_s": gen_s})
         chunks = [list(range(m, m + micro)) for m in range(0, len(local), micro)]
-        micro_batches = [to_device(batch_fn([samples[j] for j in c]), device()) for c in chunks]
+        micro_batches = [batch_fn([samples[j] for j in c]) for c in chunks]
 
         # normaliser: loss tokens of the whole optimizer step, over every micro-batch and rank
         (step_tokens,) = all_reduce_sum([sum(b["loss_mask"].sum().item() for b in micro_batches)])

@@ -64,7 +64,7 @@ from common.infra.trainer_actor import TrainerSpec, each_ring, per_token, start_
 from common.infra.rings import ring_model_args, validate_ring_args  # noqa: E402
 from common.logprobs import token_logps  # noqa: E402
 from common.rollout import (  # noqa: E402
-    RLArgs, Sampler, kl_to_reference, load_prompts, mismatch_metrics, model_tokens, off_policy,
+    RLArgs, Sampler, kl_to_reference, load_prompts, mismatch_metrics, off_policy,
     rollout_metrics, rollout_samples, split_steps,
 )
 from common.infra.tracking import MetricsLogger, eval_due, progress  # noqa: E402
@@ -226,12 +226,11 @@ def sample_advantages(samples, rewards, args):
     get 0 and take no part in the whitening; a truncated response's reward still counts in its group's baseline
     (DAPO's overlong filtering masks only its loss), a rejected episode's does not."""
     kl_in_reward = args.init_kl_coef > 0 and not args.use_kl_loss
-    masks = [model_tokens(s) for s in samples]
-    kls = [args.init_kl_coef * approx_kl(torch.tensor(s["old_logps"])[m], torch.tensor(s["ref_logps"])[m],
-                                         args.kl_estimator)
+    masks = [s.model_tokens for s in samples]
+    kls = [args.init_kl_coef * approx_kl(s.old_logps[m], s.ref_logps[m], args.kl_estimator)
            if kl_in_reward else torch.zeros(int(m.sum())) for s, m in zip(samples, masks)]
-    valid = torch.tensor([not s.get("masked") for s in samples]).view(rewards.shape)
-    counted = torch.tensor([not s.get("rejected") for s in samples]).view(rewards.shape)
+    valid = torch.tensor([not s.masked for s in samples]).view(rewards.shape)
+    counted = torch.tensor([not s.rejected for s in samples]).view(rewards.shape)
     out = []
     for m, a in zip(masks, compute_advantages(rewards, kls, args.advantage_estimator, args.gamma, valid, counted)):
         full = torch.zeros(len(m))
@@ -456,7 +455,7 @@ def micro_batches(samples, micro, args):
     count = math.ceil(len(samples) / micro)
     if not args.skip_zero_advantage or args.use_kl_loss or args.entropy_loss_coef > 0:
         return [samples[i * micro : (i + 1) * micro] for i in range(count)], 0
-    idle = [s.get("masked") or not any(s["advantages"]) for s in samples]
+    idle = [s.masked or not s.advantages.any() for s in samples]
     fillers = set([i for i, z in enumerate(idle) if z][: max(0, count - idle.count(False))])
     run = [s for i, (s, z) in enumerate(zip(samples, idle)) if not z or i in fillers]
     sizes = [len(run) // count + (k < len(run) % count) for k in range(count)]
@@ -549,7 +548,7 @@ def main(args: Args):
         t0 = time.time()
         rollout = rollouts.next(step) if rollouts else sampler.collect(state["consumed_prompts"], step)
         phase("rollout_wait", t0)
-        state["consumed_prompts"] = rollout["end"]
+        state["consumed_prompts"] = rollout.end
         samples, raw_rewards = rollout_samples(rollout, args)
         phases.update(2)
         # ---- end of boilerplate: step rollout ----
@@ -561,14 +560,14 @@ def main(args: Args):
         per_token(roles, samples, [(trainers, keys)], ring_size)
         if stale:  # the behaviour policy: the weights that sampled them, up to K updates before the trainer's
             for s in samples:
-                s["old_logps"] = s["vllm_logps"]
+                s.old_logps = s.vllm_logps
         phase("logprobs", t0)
         phases.update(1)
 
         # 4. advantages (driver, over the whole rollout; only the model's tokens)
-        rewards = torch.tensor([s["reward"] for s in samples]).view(-1, n)
+        rewards = torch.tensor([s.reward for s in samples]).view(-1, n)
         for s, a in zip(samples, sample_advantages(samples, rewards, args)):
-            s["advantages"] = a.tolist()
+            s.advantages = a
 
         # 5. policy update: epochs x optimizer steps, each step's samples split over the rings
         if args.cluster.vllm_enable_sleep:

@@ -175,9 +175,10 @@ def kl_pairs(idx):
 
 
 def make_batch(samples, args, pad_id, layout):
-    """Packed rows (one row where `layout.one_row`, see common.packing.Layout), or padded rows."""
-    return collate(samples, pad_id, packing=args.data.packing_samples,
-                   max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=layout.one_row)
+    """Packed rows (one row where `layout.one_row`, see common.packing.Layout), or padded rows; on the device."""
+    return to_device(collate(samples, pad_id, packing=args.data.packing_samples,
+                             max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=layout.one_row),
+                     device())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,15 +353,14 @@ def main(args: Args):
                 ref_logps, ref_kl_logps = ref_cache[0][idx], ref_cache[1][epoch, idx]
             else:
                 with torch.no_grad():
-                    both = to_device(batch_fn(kto_samples(train_ds, examples + mismatched, args.data.max_len)),
-                                     device())
+                    both = batch_fn(kto_samples(train_ds, examples + mismatched, args.data.max_len))
                     ref_both, _ = response_logps(ref, both)
                 ref_logps, ref_kl_logps = ref_both[: len(idx)], ref_both[len(idx) :]
             with torch.no_grad():  # the reference point needs no gradient: a forward-only pass
-                kl_batch = to_device(batch_fn(kto_samples(train_ds, mismatched, args.data.max_len)), device())
+                kl_batch = batch_fn(kto_samples(train_ds, mismatched, args.data.max_len))
                 kl_logps, _ = response_logps(engine, kl_batch)
             z = kl_reference_point(kl_logps, ref_kl_logps)
-            batch = to_device(batch_fn(kto_samples(train_ds, examples, args.data.max_len)), device())
+            batch = batch_fn(kto_samples(train_ds, examples, args.data.max_len))
             logps, outputs = response_logps(engine, batch)
             labels = labels_all[idx]
             losses, rewards = kto_loss(logps, ref_logps, labels, z, args.beta, args.desirable_loss_weight,

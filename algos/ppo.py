@@ -57,7 +57,7 @@ from common.packing import unwrap  # noqa: E402
 from common.infra.rings import ring_model_args, validate_ring_args  # noqa: E402
 from common.logprobs import token_logps  # noqa: E402
 from common.rollout import (  # noqa: E402
-    RLArgs, Sampler, kl_to_reference, load_prompts, mismatch_metrics, model_tokens, off_policy,
+    RLArgs, Sampler, kl_to_reference, load_prompts, mismatch_metrics, off_policy,
     prompt_at, rollout_metrics, rollout_samples, split_steps,
 )
 from common.infra.tracking import MetricsLogger, eval_due, progress  # noqa: E402
@@ -712,7 +712,7 @@ def main(args: Args):
         t0 = time.time()
         rollout = rollouts.next(step) if rollouts else sampler.collect(state["consumed_prompts"], step)
         phase("rollout_wait", t0)
-        state["consumed_prompts"] = rollout["end"]
+        state["consumed_prompts"] = rollout.end
         samples, raw_rewards = rollout_samples(rollout, args)
         phases.update(2)
         # ---- end of boilerplate: step rollout ----
@@ -727,23 +727,22 @@ def main(args: Args):
                                    (trainers, ["old_logps"] if policy_pass else [])], ring_size)
         if stale:  # the behaviour policy: the weights that sampled them, up to K updates before the actor's
             for s in samples:
-                s["old_logps"] = s["vllm_logps"]
+                s.old_logps = s.vllm_logps
         rest(trainers)
         phase("logprobs_values", t0)
         phases.update(1)
 
         # 4. per-token rewards -> GAE advantages (lambd) and returns (lambd_critic), on the driver
-        rewards = torch.tensor([s["reward"] for s in samples])
+        rewards = torch.tensor([s.reward for s in samples])
         kl_in_reward = args.init_kl_coef > 0 and not args.use_kl_loss
-        kls = [args.init_kl_coef * approx_kl(torch.tensor(s["old_logps"]), torch.tensor(s["ref_logps"]),
-                                             args.kl_estimator)
-               if kl_in_reward else torch.zeros(len(s["response_ids"])) for s in samples]
-        masks = [model_tokens(s).float() * (not s["masked"]) for s in samples]  # an episode's environment: no steps
-        values = [torch.tensor(s["values"]) for s in samples]
+        kls = [args.init_kl_coef * approx_kl(s.old_logps, s.ref_logps, args.kl_estimator)
+               if kl_in_reward else torch.zeros(len(s.response_ids)) for s in samples]
+        masks = [s.loss_tokens().float() for s in samples]  # an episode's environment: no steps
+        values = [s.values for s in samples]
         advantages, returns = advantages_and_returns(rewards, kls, values, masks, args.gamma, args.lambd,
                                                      args.lambd_critic)
         for s, a, ret in zip(samples, advantages, returns):
-            s["advantages"], s["returns"] = a.tolist(), ret.tolist()
+            s.advantages, s.returns = a, ret
         flat_mask = torch.cat(masks).bool()
         flat_values, flat_returns = torch.cat(values)[flat_mask], torch.cat(returns)[flat_mask]
 
@@ -800,7 +799,7 @@ def main(args: Args):
             metrics.update({f"train/{k}": v for k, v in actor_metrics.items()})
         elif policy_pass:  # a frozen actor still had its log-probs computed: the engines must match them
             metrics["rollout/logp_abs_diff_max"] = max(
-                (torch.tensor(s["old_logps"]) - torch.tensor(s["vllm_logps"])).abs().max().item() for s in samples)
+                (s.old_logps - s.vllm_logps).abs().max().item() for s in samples)
         metrics.update(timing)
         metrics.update(kl_to_reference(samples))
         bar.set_postfix(reward=f"{metrics['train/reward']:.3f}", ev=f"{metrics['critic/explained_variance']:.2f}")

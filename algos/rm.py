@@ -250,7 +250,8 @@ def shared_prefix_len(chosen, rejected):
 def make_batch(samples, args: Args, pad_id, layout):
     """Packed rows (one row where `layout.one_row`, see common.packing.Layout), or padded rows; plus the pair
     margins (pairwise) or the step labels laid out like input_ids (PRM). Where the kernel reads branches
-    (`layout.share_prefixes`), each rejected sequence is a branch of its chosen one's shared prefix (pairwise)."""
+    (`layout.share_prefixes`), each rejected sequence is a branch of its chosen one's shared prefix (pairwise). On
+    the device."""
     batch = collate(samples, pad_id, packing=args.data.packing_samples,
                     max_tokens=args.data.pack_max_tokens or args.data.max_len, one_row=layout.one_row,
                     share_prefixes=not args.prm and args.data.packing_samples and layout.share_prefixes)
@@ -261,7 +262,7 @@ def make_batch(samples, args: Args, pad_id, layout):
         batch["step_labels"] = labels
     else:
         batch["margin"] = torch.tensor([s["margin"] for s in samples[: len(samples) // 2]])
-    return batch
+    return to_device(batch, device())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,7 +318,7 @@ def evaluate(engine, eval_ds, args, pad_id, reward_ids):
     for i in progress(range(lockstep_forwards(engine, len(chunks))), is_rank0(), desc="eval", leave=False):
         # under ZeRO-3 a rank with fewer batches runs extra forwards (on row 0) in step with the busiest rank
         samples = chunks[i] if i < len(chunks) else micro_batches_of(eval_ds, [0], 1, args)[0]
-        batch = to_device(make_batch(samples, args, pad_id, model_settings(engine).layout), device())
+        batch = make_batch(samples, args, pad_id, model_settings(engine).layout)
         _, stats = forward_loss(engine, batch, args, reward_ids)
         if i < len(chunks):
             for k in names:
@@ -387,7 +388,7 @@ def main(args: Args):
         epoch, k = divmod(step, steps_per_epoch)
         order = torch.randperm(len(train_ds), generator=torch.Generator().manual_seed(args.train.seed + epoch))
         step_indices = order[k * batch_size : (k + 1) * batch_size].tolist()
-        micro_batches = [to_device(make_batch(s, args, pad_id, model_settings(engine).layout), device())
+        micro_batches = [make_batch(s, args, pad_id, model_settings(engine).layout)
                          for s in micro_batches_of(train_ds, world.shard(step_indices), micro, args)]
 
         # normaliser: pairs (or labelled steps) of the whole optimizer step, over every micro-batch and rank (the

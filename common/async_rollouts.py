@@ -27,7 +27,7 @@ class Rollouts:
                 with self.changed:
                     self.changed.wait_for(lambda: self.version >= j - self.ahead)
                 rollout = self.collect(self.position, self.version)
-                self.position = rollout["end"]
+                self.position = rollout.end
                 self.ready.put(rollout)
                 with self.changed:
                     self.collected = j + 1

@@ -318,14 +318,3 @@ def checked_episode(out, generate, where, budget):
     return Episode(segments, float(out.reward), turns=len(calls), forks=out.forks, rejected=out.rejected, done=True,
                    finish_reason=calls[-1][3])
 
-
-def episode_sample(e, mask_truncated):
-    """The training sample of an episode: its first segment is the prompt; the rest is the response, trainable
-    where the model wrote it, with vLLM's log-probs there (0 at the environment's tokens, which carry no loss)."""
-    (prompt, _, _), rest = e.segments[0], e.segments[1:]
-    return {"prompt_ids": list(prompt), "response_ids": [t for ids, _, _ in rest for t in ids],
-            "trainable": [int(trainable) for ids, trainable, _ in rest for _ in ids],
-            "vllm_logps": [lp for ids, trainable, lps in rest for lp in (lps if trainable else [0.0] * len(ids))],
-            "masked": e.rejected or (mask_truncated and e.finish_reason == "length"), "rejected": e.rejected}
-
-

@@ -15,7 +15,7 @@ import torch
 import tyro
 
 from common.data import BadRow, PromptArgs, format_prompt, format_response
-from common.episodes import AgentArgs, Episode, episode_sample, run_episodes
+from common.episodes import AgentArgs, Episode, run_episodes
 from common.infra.cluster import ClusterArgs, generate
 from common.infra.datasets import load_one
 from common.infra.engine import CkptArgs, ModelArgs, TrainArgs
@@ -218,43 +218,66 @@ def split_steps(samples, args, step, ranks):
 
 
 # ----------------------------------------------------------------------------------------------
-# Ray: start-up, placement, trainer groups
-# ----------------------------------------------------------------------------------------------
-
-
-# ----------------------------------------------------------------------------------------------
 # Samples: a response with its prompt, made into collated batches with per-token values
 # ----------------------------------------------------------------------------------------------
+@dataclass
+class TrainingSample:
+    """A prompt and the response (or episode) sampled after it, as a step trains on it. The token ids are lists,
+    as collate packs them; each per-response-token value is a float32 tensor, None until the step computes it."""
+
+    prompt_ids: list
+    response_ids: list  # an episode's: every token after its prompt, the environment's included
+    model_tokens: torch.Tensor  # bool: the response tokens the model wrote (an episode's own turns)
+    vllm_logps: torch.Tensor  # as vLLM sampled the tokens (0 at an episode's environment tokens)
+    reward: float = 0.0  # the reward the advantages read (advantage_rewards)
+    masked: bool = False  # no loss: a rejected episode, or cut off under --mask_truncated_responses
+    rejected: bool = False  # a rejected episode: its reward leaves its group's statistics too
+    old_logps: Optional[torch.Tensor] = None  # per_token fills these three, the script the last two
+    ref_logps: Optional[torch.Tensor] = None
+    values: Optional[torch.Tensor] = None
+    advantages: Optional[torch.Tensor] = None
+    returns: Optional[torch.Tensor] = None
+
+    def loss_tokens(self):
+        """The response tokens that carry loss (bool): the model's own, none if masked."""
+        return self.model_tokens & (not self.masked)
+
+
+def episode_sample(e, mask_truncated):
+    """The TrainingSample of an episode: its first segment is the prompt; the rest is the response, trainable
+    where the model wrote it, with vLLM's log-probs there (0 at the environment's tokens, which carry no loss)."""
+    (prompt, _, _), rest = e.segments[0], e.segments[1:]
+    logps = [lp for ids, trainable, lps in rest for lp in (lps if trainable else [0.0] * len(ids))]
+    return TrainingSample(list(prompt), [t for ids, _, _ in rest for t in ids],
+                          torch.tensor([trainable for ids, trainable, _ in rest for _ in ids], dtype=torch.bool),
+                          torch.tensor(logps, dtype=torch.float32), rejected=e.rejected,
+                          masked=e.rejected or (mask_truncated and e.finish_reason == "length"))
+
+
 def token_sample(s):
-    """The input_ids/loss_mask dict collate() packs: loss on the response tokens the model wrote (an episode's
-    environment tokens are not trainable), none if masked."""
-    return {"input_ids": s["prompt_ids"] + s["response_ids"],
-            "loss_mask": [0] * len(s["prompt_ids"]) + [0 if s.get("masked") else int(t) for t in model_tokens(s)]}
-
-
-def model_tokens(s):
-    """Which response tokens the model wrote (bool): all of a single-turn response, an episode's own turns."""
-    return torch.tensor(s.get("trainable", [1] * len(s["response_ids"])), dtype=torch.bool)
+    """The input_ids/loss_mask dict collate() packs: loss on the sample's loss_tokens."""
+    return {"input_ids": s.prompt_ids + s.response_ids,
+            "loss_mask": [0] * len(s.prompt_ids) + s.loss_tokens().int().tolist()}
 
 
 def make_batch(samples, pad_id, max_tokens, one_row, values=(), share_prompt=False):
-    """Collate samples (packed; one row with a per-sample attention kernel), and lay each named
-    per-response-token value out like the tokens. With share_prompt (the CPU kernel), the samples of a
+    """Collate TrainingSamples (packed; one row with a per-sample attention kernel), and lay each named
+    per-response-token field out like the tokens. With share_prompt (the CPU kernel), the samples of a
     prompt after its first are branches of the first one's prompt: the row holds each prompt once.
     `response_offsets[i]`: where sample i's response starts in its span (common.packing.unpack)."""
     token_samples, first_of = [token_sample(s) for s in samples], {}
     for i, s in enumerate(samples):
-        j = first_of.setdefault(tuple(s["prompt_ids"]), i)
-        if share_prompt and j != i and s["response_ids"]:
-            token_samples[i].update(prefix_of=j, prefix_len=len(s["prompt_ids"]))
+        j = first_of.setdefault(tuple(s.prompt_ids), i)
+        if share_prompt and j != i and s.response_ids:
+            token_samples[i].update(prefix_of=j, prefix_len=len(s.prompt_ids))
     batch = collate(token_samples, pad_id, packing=True, max_tokens=max_tokens, one_row=one_row,
                     share_prefixes=share_prompt)
-    batch["response_offsets"] = [len(s["prompt_ids"]) - t.get("prefix_len", 0)
+    batch["response_offsets"] = [len(s.prompt_ids) - t.get("prefix_len", 0)
                                  for s, t in zip(samples, token_samples)]
     for key in values:
         laid = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         for s, p, (r, start, n) in zip(samples, batch["response_offsets"], batch["spans"]):
-            laid[r, start + p : start + n] = torch.as_tensor(s[key], dtype=torch.float32)
+            laid[r, start + p : start + n] = getattr(s, key)
         batch[key] = laid
     return batch
 
@@ -327,6 +350,19 @@ def advantage_rewards(group, rewards, args):
 
 
 @dataclass
+class Rollout:
+    """A step's rollout (Sampler.collect): the kept groups as (prompt, responses or episodes, raw rewards (n,)),
+    how many groups dynamic filtering dropped in how many rounds, the prompt position after it, the policy version
+    that sampled it, and where the time went."""
+    kept: list
+    dropped: int
+    rounds: int
+    end: int
+    version: int
+    timing: dict
+
+
+@dataclass
 class Sampler:
     """What a step's rollout and an evaluation sample with, built once in a script's main: the script's args, the
     Roles waiting on the vLLM `engines`, the training `prompts` (load_prompts), and where rewards come from: a
@@ -378,8 +414,7 @@ class Sampler:
             if not args.dynamic_filtering:
                 break
         kept += dropped[: args.rollout_batch_size - len(kept)]  # rounds ran out: equal-reward groups carry no signal
-        return {"kept": kept, "dropped": len(dropped), "rounds": rounds, "end": position, "version": version,
-                "timing": timing}
+        return Rollout(kept, len(dropped), rounds, position, version, timing)
 
     @torch.no_grad()
     def evaluate(self, eval_prompts):
@@ -397,31 +432,28 @@ class Sampler:
 
 
 def rollout_samples(rollout, args):
-    """The training samples of a rollout (prompt and response ids, vLLM's log-probs, the reward the advantages
-    read, masked) and its raw rewards (prompts, n)."""
-    samples = []
-    for p, g, r in rollout["kept"]:
+    """The TrainingSamples of a rollout (the reward the advantages read) and its raw rewards (prompts, n)."""
+    samples, mask = [], args.mask_truncated_responses
+    for p, g, r in rollout.kept:
         for s, reward in zip(g, advantage_rewards(g, r, args).tolist()):
-            if isinstance(s, Episode):
-                samples.append({**episode_sample(s, args.mask_truncated_responses), "reward": reward})
-                continue
-            samples.append({"prompt_ids": p["prompt_ids"], "response_ids": list(s.output_ids),
-                            "vllm_logps": list(s.logprobs), "reward": reward,
-                            "masked": not carries_loss(s, args.mask_truncated_responses)})
-    return samples, torch.stack([r for _, _, r in rollout["kept"]])
+            samples.append(episode_sample(s, mask) if isinstance(s, Episode) else TrainingSample(
+                p["prompt_ids"], list(s.output_ids), torch.ones(len(s.output_ids), dtype=torch.bool),
+                torch.tensor(s.logprobs, dtype=torch.float32), masked=not carries_loss(s, mask)))
+            samples[-1].reward = reward
+    return samples, torch.stack([r for _, _, r in rollout.kept])
 
 
 def rollout_metrics(rollout, samples, raw_rewards, step):
     """What every RL driver logs of a rollout: rewards, lengths of the model's own tokens, filtering,
     staleness, and the episodes' turns, forks and rejects."""
-    lengths = [int(model_tokens(s).sum()) for s in samples]
+    lengths = [int(s.model_tokens.sum()) for s in samples]
     metrics = {"train/reward": raw_rewards.mean().item(), "train/reward_std": raw_rewards.std().item(),
                "train/response_length": sum(lengths) / len(lengths),
-               "train/truncated": sum(s["masked"] for s in samples) / len(samples),
-               "train/dropped_groups": rollout["dropped"], "train/sampling_rounds": rollout["rounds"],
-               "async/policy_version": rollout["version"], "async/staleness": step - rollout["version"],
-               **rollout["timing"]}
-    episodes = [e for _, g, _ in rollout["kept"] for e in g if isinstance(e, Episode)]
+               "train/truncated": sum(s.masked for s in samples) / len(samples),
+               "train/dropped_groups": rollout.dropped, "train/sampling_rounds": rollout.rounds,
+               "async/policy_version": rollout.version, "async/staleness": step - rollout.version,
+               **rollout.timing}
+    episodes = [e for _, g, _ in rollout.kept for e in g if isinstance(e, Episode)]
     if episodes:
         metrics.update({"train/episode_turns": sum(e.turns for e in episodes) / len(episodes),
                         "train/episode_length": sum(len(e.tokens()) for e in episodes) / len(episodes),
@@ -450,9 +482,7 @@ def mismatch_metrics(train_metrics, stale, step, max_mismatch_kl):
 def kl_to_reference(samples):
     """train/kl: the k1 estimate of KL(policy || reference) per model token, from the log-probs before the update
     (when the step computed both)."""
-    if not all("ref_logps" in s and "old_logps" in s for s in samples):
+    if any(s.ref_logps is None or s.old_logps is None for s in samples):
         return {}
-    masks = [model_tokens(s) for s in samples]
-    kl = sum((torch.tensor(s["old_logps"])[m] - torch.tensor(s["ref_logps"])[m]).clamp(-10, 10).sum().item()
-             for s, m in zip(samples, masks))
-    return {"train/kl": kl / max(sum(int(m.sum()) for m in masks), 1)}
+    kl = sum((s.old_logps - s.ref_logps)[s.model_tokens].clamp(-10, 10).sum().item() for s in samples)
+    return {"train/kl": kl / max(sum(int(s.model_tokens.sum()) for s in samples), 1)}

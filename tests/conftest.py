@@ -126,6 +126,22 @@ def load_algo(name):
     return sys.modules[name]
 
 
+def training_sample(prompt_ids, response_ids, model_tokens=None, **values):
+    """A common.rollout.TrainingSample written as lists: every response token the model's unless `model_tokens`
+    (0/1 per token) says otherwise, vLLM's log-probs 0 unless given; per-token lists become float32 tensors."""
+    import torch
+
+    from common.rollout import TrainingSample
+
+    n = len(response_ids)
+    tokens = torch.tensor(model_tokens if model_tokens is not None else [1] * n, dtype=torch.bool)
+    per_token = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in values.items()
+                 if k not in ("reward", "masked", "rejected")}
+    flags = {k: v for k, v in values.items() if k in ("reward", "masked", "rejected")}
+    per_token.setdefault("vllm_logps", torch.zeros(n))
+    return TrainingSample(list(prompt_ids), list(response_ids), tokens, **per_token, **flags)
+
+
 def run_script(script, args, nproc=1, timeout=600, expect_ok=True, env=None):
     """Run algos/<script> through its real CLI (torchrun for nproc > 1); returns the completed process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline",

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from common.episodes import episode_sample, load_env, run_episodes
-from common.rollout import make_batch
-from conftest import ROOT, load_algo, read_jsonl, run_script
+from common.episodes import load_env, run_episodes
+from common.rollout import episode_sample, make_batch
+from conftest import ROOT, load_algo, read_jsonl, run_script, training_sample
 from test_grpo import grpo_args
 
 grpo = load_algo("grpo")
@@ -77,16 +77,16 @@ def test_episode_tokens_line_up_with_what_the_engine_saw(assets, rl_start_model)
         assert seen == e.tokens()
         # the training sample: loss on the model's tokens only, vLLM log-probs at the same positions
         s = episode_sample(e, mask_truncated=False)
-        assert s["prompt_ids"] + s["response_ids"] == e.tokens()
+        assert s.prompt_ids + s.response_ids == e.tokens()
         model = [lp for ids, trainable, lps in e.segments[1:] if trainable for lp in lps]
-        assert [lp for lp, t in zip(s["vllm_logps"], s["trainable"]) if t] == model
-        s["advantages"] = torch.arange(len(s["response_ids"]), dtype=torch.float32).tolist()
+        assert s.vllm_logps[s.model_tokens].tolist() == torch.tensor(model).tolist()
+        s.advantages = torch.arange(len(s.response_ids), dtype=torch.float32)
         batch = make_batch([s], 0, 256, False, ["vllm_logps", "advantages"])
         r, start, length = batch["spans"][0]
-        mask = batch["loss_mask"][r, start + len(s["prompt_ids"]): start + length]
-        assert mask.tolist() == [float(t) for t in s["trainable"]]
-        laid = batch["vllm_logps"][r, start + len(s["prompt_ids"]): start + length]
-        assert torch.allclose(laid, torch.tensor(s["vllm_logps"]))
+        mask = batch["loss_mask"][r, start + len(s.prompt_ids): start + length]
+        assert mask.tolist() == s.model_tokens.float().tolist()
+        laid = batch["vllm_logps"][r, start + len(s.prompt_ids): start + length]
+        assert torch.allclose(laid, s.vllm_logps)
     # the environment's text is what the model saw: the second user turn shows the box's letters
     first = episodes[0]
     assert f"reverse: {prompts[0]['label']}" in tokenizer.decode(first.segments[2][0])
@@ -112,7 +112,7 @@ def test_a_template_that_rewrites_history_forks_or_rejects(assets, rl_start_mode
                                              [1, 2, 3]) for e in g]
     if mode == "reject":  # the first observation cannot be appended: every episode stops there, without loss
         assert all(e.rejected and e.turns == 1 and e.forks == 0 for e in episodes)
-        assert all(episode_sample(e, False)["masked"] for e in episodes)
+        assert all(episode_sample(e, False).masked for e in episodes)
         return
     assert all(e.forks == e.turns - 1 >= 1 and not e.rejected for e in episodes)
     calls = {(tuple(given), tuple(s.output_ids)) for given, s in gen.calls}
@@ -121,7 +121,7 @@ def test_a_template_that_rewrites_history_forks_or_rejects(assets, rl_start_mode
         assert not trainable and last_trainable and (tuple(prompt), tuple(last)) in calls
         assert "(...)" in tokenizer.decode(prompt)
         s = episode_sample(e, False)
-        assert s["trainable"][: len(last)] == [1] * len(last) and not s["masked"]
+        assert s.model_tokens[: len(last)].all() and not s.masked
 
 
 @pytest.mark.quick
@@ -148,8 +148,7 @@ def test_environment_tokens_do_not_change_advantages():
             m = torch.tensor(trainable, dtype=torch.bool)
             old[m] = torch.linspace(-1, -0.1, int(m.sum())) * (i + 1) / 8  # the model tokens' log-probs: fixed
             ref[m] = old[m] + 0.05
-            out.append({"prompt_ids": [1, 2], "response_ids": ids, "trainable": trainable,
-                        "old_logps": old.tolist(), "ref_logps": ref.tolist()})
+            out.append(training_sample([1, 2], ids, trainable, old_logps=old, ref_logps=ref))
         return out
 
     base = grpo.Args(prompt_data="d", remote_rm_url="r", init_kl_coef=0.1)
@@ -160,8 +159,8 @@ def test_environment_tokens_do_not_change_advantages():
             ss = samples(env_len)
             adv = grpo.sample_advantages(ss, rewards, args)
             for s, a in zip(ss, adv):
-                assert (a[torch.tensor(s["trainable"]) == 0] == 0).all()  # environment tokens: no advantage
-            results.append([a[torch.tensor(s["trainable"]) == 1] for s, a in zip(ss, adv)])
+                assert (a[~s.model_tokens] == 0).all()  # environment tokens: no advantage
+            results.append([a[s.model_tokens] for s, a in zip(ss, adv)])
         for other in results[1:]:
             for a, b in zip(results[0], other):
                 assert torch.equal(a, b), estimator
@@ -352,7 +351,7 @@ def test_episode_function_none_is_a_reject(assets, rl_start_model, tmp_path):
     train/episode_rejects; the others train."""
     from transformers import AutoTokenizer
 
-    from common.rollout import rollout_metrics, rollout_samples
+    from common.rollout import Rollout, rollout_metrics, rollout_samples
 
     path = write_episode_file(tmp_path, "odd_boxes", [
         "out, logps = generate(ids)",
@@ -367,14 +366,14 @@ def test_episode_function_none_is_a_reject(assets, rl_start_model, tmp_path):
     groups = run_episodes(args, load_env(path), gen, tokenizer, prompts, 3, 1.0, [5, 6, 7, 8])
     assert [[e.rejected for e in g] for g in groups] == [[False] * 3, [True] * 3, [False] * 3, [True] * 3]
     assert [[e.reward for e in g] for g in groups] == [[1.0] * 3, [0.0] * 3, [1.0] * 3, [0.0] * 3]
-    rollout = {"kept": [(p, g, torch.tensor([e.reward for e in g])) for p, g in zip(prompts, groups)],
-               "dropped": 0, "rounds": 1, "version": 0, "timing": {}}
+    rollout = Rollout([(p, g, torch.tensor([e.reward for e in g])) for p, g in zip(prompts, groups)],
+                      dropped=0, rounds=1, end=4, version=0, timing={})
     samples, rewards = rollout_samples(rollout, args)
     metrics = rollout_metrics(rollout, samples, rewards, 0)
     assert metrics["train/episode_rejects"] == 6 and metrics["train/episode_turns"] == 1.0
-    assert [s["masked"] for s in samples] == [False] * 3 + [True] * 3 + [False] * 3 + [True] * 3
+    assert [s.masked for s in samples] == [False] * 3 + [True] * 3 + [False] * 3 + [True] * 3
     for (given, s), sample in zip(gen.calls, samples):  # a rejected episode's sample: its model turn, no loss
-        assert sample["prompt_ids"] == given and sample["response_ids"] == s.output_ids
-        assert sample["trainable"] == [1] * len(s.output_ids) and sample["vllm_logps"] == s.logprobs
+        assert sample.prompt_ids == given and sample.response_ids == s.output_ids
+        assert sample.model_tokens.all() and sample.vllm_logps.tolist() == torch.tensor(s.logprobs).tolist()
         batch = make_batch([sample], 0, 256, False)
-        assert batch["loss_mask"].sum().item() == (0 if sample["masked"] else len(s.output_ids))
+        assert batch["loss_mask"].sum().item() == (0 if sample.masked else len(s.output_ids))

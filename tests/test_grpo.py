@@ -13,7 +13,7 @@ import torch
 from common.logprobs import token_logps
 from common.packing import unpack
 from common.rollout import ActorTrainArgs, make_batch
-from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script
+from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script, training_sample
 
 grpo = load_algo("grpo")
 REWARD = os.path.join(ROOT, "launch", "rewards", "exact_match.py")
@@ -104,7 +104,7 @@ def test_masked_samples_set_no_baseline_and_no_whitening():
         with_masked = grpo.compute_advantages(rewards, kls, estimator, valid=valid)
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(alone, with_masked[:3])), estimator
         assert with_masked[3].abs().max().item() == 0.0
-    samples = [{"response_ids": [5, 6], "old_logps": [0.0] * 2, "masked": m, "rejected": m}
+    samples = [training_sample([], [5, 6], old_logps=[0.0] * 2, masked=m, rejected=m)
                for m in (False, False, False, True)]
     adv = grpo.sample_advantages(samples, torch.tensor([[1.0, 1.0, 1.0, 0.0]]), grpo.Args())
     assert torch.cat(adv).abs().max().item() == 0.0
@@ -159,8 +159,8 @@ def test_truncated_responses_keep_their_rewards_in_the_group():
     args = grpo.Args(mask_truncated_responses=True, generate_max_len=4)
     group = [Sample([0], [1, 2], "", [0.0] * 2, "stop")] + [Sample([0], [1] * 4, "", [0.0] * 4, "length")] * 7
     rewards = torch.tensor([1.0] + [0.0] * 7)
-    samples = [{"response_ids": s.output_ids, "old_logps": [0.0] * len(s.output_ids),
-                "masked": s.finish_reason == "length"} for s in group]
+    samples = [training_sample([], s.output_ids, old_logps=[0.0] * len(s.output_ids),
+                               masked=s.finish_reason == "length") for s in group]
     adv = grpo.sample_advantages(samples, rewards.view(1, -1), args)
     want = (1 - 1 / 8) / torch.tensor([1.0] + [0.0] * 7).std().item()
     assert abs(adv[0][-1].item() - want) < 1e-5 and abs(want - 2.4749) < 1e-4
@@ -176,13 +176,13 @@ def test_zero_advantage_samples_leave_the_micro_batches():
     """Samples whose advantages are all 0 (or masked) are left out and the rest spread over as many micro-batches
     as before, each keeping at least one sample; nothing is skipped when a KL loss or entropy bonus reads them."""
     def sample(a, masked=False):
-        return {"advantages": [a, a], "masked": masked}
+        return training_sample([0], [1, 2], advantages=[a, a], masked=masked)
 
     samples = [sample(0.0), sample(1.0), sample(0.0), sample(0.0), sample(-1.0), sample(0.5, True), sample(0.0),
                sample(2.0)]
     chunks, skipped = grpo.micro_batches(samples, 2, grpo.Args())
     assert [len(c) for c in chunks] == [1, 1, 1, 1] and skipped == 4
-    assert [c[0]["advantages"][0] for c in chunks] == [0.0, 1.0, -1.0, 2.0]  # the first idle one fills in, in order
+    assert [c[0].advantages[0].item() for c in chunks] == [0.0, 1.0, -1.0, 2.0]  # the first idle one fills in, in order
     assert grpo.micro_batches(samples, 2, grpo.Args(skip_zero_advantage=False)) == ([samples[i : i + 2]
                                                                                     for i in range(0, 8, 2)], 0)
     assert grpo.micro_batches(samples, 4, grpo.Args(entropy_loss_coef=0.01))[1] == 0
@@ -276,19 +276,19 @@ def test_mismatch_metrics_and_the_broken_sync_stop(assets):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m", dtype=torch.float32)
-    samples = [{"prompt_ids": [3, 20 + i, 21], "response_ids": [30 + (i * k) % 50 for k in range(2 + i)],
-                "advantages": torch.randn(2 + i).tolist()} for i in range(3)]
+    samples = [training_sample([3, 20 + i, 21], [30 + (i * k) % 50 for k in range(2 + i)],
+                               advantages=torch.randn(2 + i)) for i in range(3)]
     with torch.no_grad():
         batch = make_batch(samples, 0, 64, False, ["advantages"])
         logps, _ = token_logps(model, batch)
     for s, t in zip(samples, unpack(logps, batch)):
-        s["old_logps"] = t[len(s["prompt_ids"]):].tolist()
-        s["vllm_logps"] = (t[len(s["prompt_ids"]):] - 0.1).tolist()
+        s.old_logps = t[len(s.prompt_ids):]
+        s.vllm_logps = t[len(s.prompt_ids):] - 0.1
     args = grpo.Args(rollout_correction="none")
     with torch.no_grad():
         _, metrics = grpo.micro_batch_loss(model, make_batch(samples, 0, 64, False,
                                                              ["advantages", "vllm_logps", "old_logps"]), args)
-    tokens = sum(len(s["response_ids"]) for s in samples)
+    tokens = sum(len(s.response_ids) for s in samples)
     assert abs(metrics["mismatch_kl"] / tokens - (math.exp(0.1) - 1.1)) <= 1e-6, metrics
     assert abs(metrics["logp_abs_diff_mean"] / tokens - 0.1) <= 1e-5 and abs(metrics["logp_abs_diff_max"] - 0.1) <= 1e-5
     assert metrics["corrected_token_share"] == 0 and metrics["corrected_sequences"] == 0
@@ -325,11 +325,11 @@ def test_step_loss_is_invariant_to_micro_batches_and_ranks(assets, estimator, lo
     samples = []
     for i in range(8):
         n = 2 + (5 * i) % 9  # responses of 2..10 tokens
-        samples.append({"prompt_ids": [3, 20 + i, 21], "response_ids": [30 + (i * k) % 50 for k in range(n)],
-                        "advantages": torch.randn(n).tolist(), "old_logps": (-torch.rand(n) * 3).tolist(),
-                        "ref_logps": (-torch.rand(n) * 3).tolist(), "vllm_logps": [0.0] * n, "masked": i == 5})
+        samples.append(training_sample([3, 20 + i, 21], [30 + (i * k) % 50 for k in range(n)],
+                                       advantages=torch.randn(n), old_logps=-torch.rand(n) * 3,
+                                       ref_logps=-torch.rand(n) * 3, masked=i == 5))
     values = ["advantages", "old_logps", "vllm_logps", "ref_logps"]
-    tokens = sum(len(s["response_ids"]) for s in samples if not s["masked"])
+    tokens = sum(len(s.response_ids) for s in samples if not s.masked)
     normaliser = grpo.step_normaliser(grpo.loss_mode(args), tokens, 7, 8, args.generate_max_len)
 
     def grads(splits):
@@ -367,14 +367,13 @@ def test_skipped_old_logprob_pass_equals_the_plain_path(assets):
     model = AutoModelForCausalLM.from_pretrained(f"{assets}/llama-0.5m", dtype=torch.float32)
     args = dataclasses.replace(base, rollout_correction="token_truncate", rollout_correction_bounds=(0.0, 2.0),
                                entropy_loss_coef=0.01, generate_max_len=16)
-    samples = [{"prompt_ids": [3, 20 + i, 21], "response_ids": [30 + (i * k) % 50 for k in range(2 + i)],
-                "advantages": torch.randn(2 + i).tolist(), "vllm_logps": (-torch.rand(2 + i) * 3).tolist()}
-               for i in range(6)]
+    samples = [training_sample([3, 20 + i, 21], [30 + (i * k) % 50 for k in range(2 + i)],
+                               advantages=torch.randn(2 + i), vllm_logps=-torch.rand(2 + i) * 3) for i in range(6)]
     with torch.no_grad():
         batch = make_batch(samples, 0, 64, False, ["advantages", "vllm_logps"])
         logps, _ = token_logps(model, batch)
     for s, t in zip(samples, unpack(logps, batch)):
-        s["old_logps"] = t[len(s["prompt_ids"]):].tolist()
+        s.old_logps = t[len(s.prompt_ids):]
     results = []
     for values in (["advantages", "vllm_logps", "old_logps"], ["advantages", "vllm_logps"]):
         model.zero_grad()
@@ -408,9 +407,9 @@ def test_shared_prompt_batch_equals_whole_samples(assets):
         prompt = [3] + [20 + (g * k) % 200 for k in range(4 + 3 * g)]
         for i in range(4):
             n = 0 if (g, i) == (1, 2) else 1 + (3 * i + g) % 7
-            samples.append({"prompt_ids": prompt, "response_ids": [30 + (i * k + g) % 50 for k in range(n)],
-                            "advantages": torch.randn(n).tolist(), "old_logps": (-torch.rand(n) * 3).tolist(),
-                            "ref_logps": (-torch.rand(n) * 3).tolist(), "vllm_logps": (-torch.rand(n)).tolist()})
+            samples.append(training_sample(prompt, [30 + (i * k + g) % 50 for k in range(n)],
+                                           advantages=torch.randn(n), old_logps=-torch.rand(n) * 3,
+                                           ref_logps=-torch.rand(n) * 3, vllm_logps=-torch.rand(n)))
     values = ["advantages", "old_logps", "vllm_logps", "ref_logps"]
     results = []
     for share in (False, True):
@@ -425,8 +424,8 @@ def test_shared_prompt_batch_equals_whole_samples(assets):
         results.append((batch["input_ids"].numel(), loss.item(), metrics, per_response,
                         torch.cat([p.grad.flatten() for p in model.parameters()])))
     (whole_tokens, whole_loss, whole_metrics, whole_logps, whole_grad), (tokens, loss, metrics, logps, grad) = results
-    branches = [s for i, s in enumerate(samples) if i % 4 and s["response_ids"]]  # not a group's first, not empty
-    assert len(branches) == 8 and tokens == whole_tokens - sum(len(s["prompt_ids"]) for s in branches)
+    branches = [s for i, s in enumerate(samples) if i % 4 and s.response_ids]  # not a group's first, not empty
+    assert len(branches) == 8 and tokens == whole_tokens - sum(len(s.prompt_ids) for s in branches)
     assert abs(loss - whole_loss) <= 1e-5 and whole_grad.abs().max().item() > 1e-4
     assert (grad - whole_grad).abs().max().item() <= 1e-5 * whole_grad.abs().max().item()
     for key in whole_metrics:  # sums over tokens: relative

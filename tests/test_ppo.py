@@ -12,7 +12,7 @@ import torch
 
 from common.packing import collate, unpack
 from common.rollout import make_batch, token_sample
-from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script
+from conftest import ROOT, load_algo, max_weight_diff, read_jsonl, run_script, training_sample
 
 ppo = load_algo("ppo")
 REWARD = os.path.join(ROOT, "launch", "rewards", "exact_match.py")
@@ -126,8 +126,7 @@ def test_critic_values_packed_padded_and_as_sequence_classification(assets, tmp_
     torch.nn.init.normal_(model.score.weight, std=0.5)
     model.save_pretrained(tmp_path / "critic")
     exported = AutoModelForSequenceClassification.from_pretrained(tmp_path / "critic", dtype=torch.float32).eval()
-    samples = [{"prompt_ids": [3, 20 + i, 21], "response_ids": [30 + (i * k) % 50 for k in range(2 + i)]}
-               for i in range(5)]
+    samples = [training_sample([3, 20 + i, 21], [30 + (i * k) % 50 for k in range(2 + i)]) for i in range(5)]
     packed = make_batch(samples, 0, 64, False)
     padded = collate([token_sample(s) for s in samples], 0, packing=False)
     with torch.no_grad():
@@ -136,8 +135,8 @@ def test_critic_values_packed_padded_and_as_sequence_classification(assets, tmp_
         tolerance = 2e-5 * max(v.abs().max().item() for v in vp)
         assert max((a - b).abs().max().item() for a, b in zip(vp, vq)) <= tolerance
         for s, v in zip(samples, vp):
-            ids = s["prompt_ids"] + s["response_ids"]
-            for t in range(len(s["prompt_ids"]), len(ids)):
+            ids = s.prompt_ids + s.response_ids
+            for t in range(len(s.prompt_ids), len(ids)):
                 want = exported(input_ids=torch.tensor([ids[:t]])).logits[0, 0].item()
                 assert abs(v[t].item() - want) <= tolerance
     assert max(v.abs().max().item() for v in vp) > 1e-2  # a real head, not zeros
@@ -383,9 +382,8 @@ def test_ptx_loss_mixed_into_the_actor_step(assets):
     steps, position = ppo.ptx_steps_for(rows, [[[0] * 4, [0] * 4], [[0] * 4, [0] * 4]], 0, 42)
     again, _ = ppo.ptx_steps_for(rows, [[[0] * 4, [0] * 4]], 8, 42)
     assert position == 16 and [len(s) for s in steps[0]] == [4, 4] and again[0] == steps[1]
-    samples = [{"prompt_ids": [3, 20 + i, 21], "response_ids": [30 + (i * k) % 50 for k in range(2 + i)],
-                "advantages": torch.randn(2 + i).tolist(), "old_logps": (-torch.rand(2 + i) * 3).tolist(),
-                "vllm_logps": [0.0] * (2 + i)} for i in range(4)]
+    samples = [training_sample([3, 20 + i, 21], [30 + (i * k) % 50 for k in range(2 + i)],
+                               advantages=torch.randn(2 + i), old_logps=-torch.rand(2 + i) * 3) for i in range(4)]
     batch = make_batch(samples, 0, 64, False, ["advantages", "old_logps", "vllm_logps"])
     pb = collate(steps[0][0], 0, max_tokens=64)  # as TrainerRank.train builds it
 

@@ -23,7 +23,7 @@ from common.infra.engine import (
 from common.infra.roles import actor_class
 from common.packing import collate, to_device, unpack
 from common.logprobs import model_settings, token_logps
-from common.rollout import make_batch, token_sample
+from common.rollout import make_batch
 
 
 def next_token_logps(model, batch, args, ring):
@@ -75,7 +75,7 @@ def each_ring(members, method, ring_size, per_ring, *same):
 
 def per_token(roles, samples, jobs, ring_size):
     """Each group's forward of its keys (jobs: [(ranks, keys)], all started at once, each ring its contiguous shard
-    of `samples`, its first rank answering), written into the samples: s[key] = a per-response-token list."""
+    of `samples`, its first rank answering), written into the TrainingSamples' fields of those names."""
     refs = []
     for members, keys in jobs:
         shard = len(samples) // max(len(members) // ring_size, 1)
@@ -84,7 +84,7 @@ def per_token(roles, samples, jobs, ring_size):
     for outs in map(roles.get, refs):
         for key in outs[0] if outs else []:
             for s, v in zip(samples, [x for out in outs[::ring_size] for x in out[key]]):
-                s[key] = v
+                setattr(s, key, v)
 
 
 class TrainerRank:
@@ -148,7 +148,7 @@ class TrainerRank:
     def _max_tokens(self, samples):
         """Packed row length: the longest sample the run can produce (and at least this batch's longest)."""
         args = self.args
-        longest = max(len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples)
+        longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         return max(longest, args.prompt_max_len + args.generate_max_len, args.agent.max_episode_tokens or 0)
 
     def _batch(self, samples, max_tokens, values=()):
@@ -169,7 +169,7 @@ class TrainerRank:
             for key in keys:
                 model, forward = self.models[key]
                 per_sample = unpack(forward(model, batch, self.args, self.ring), batch)
-                out[key] += [t[p:].cpu().tolist() for p, t in zip(batch["response_offsets"], per_sample)]
+                out[key] += [t[p:].float().cpu().clone() for p, t in zip(batch["response_offsets"], per_sample)]
         self.engine.train(was_training)
         return out
 
@@ -193,9 +193,9 @@ class TrainerRank:
             # them (common.infra.engine.deepspeed_config), and the loss is the ring's ring-size times. The loss
             # normaliser counts skipped samples too; the metrics' counts only what ran
             counts = dict(zip(("tokens", "sequences", "run_tokens", "run_sequences", "skipped"), all_reduce_sum([
-                sum(sum(token_sample(s)["loss_mask"]) for s in samples), sum(not s.get("masked") for s in samples),
+                sum(int(s.loss_tokens().sum()) for s in samples), sum(not s.masked for s in samples),
                 sum(b["loss_mask"].sum().item() for b in batches),
-                sum(not s.get("masked") for chunk in chunks for s in chunk), skipped / ring_size])))
+                sum(not s.masked for chunk in chunks for s in chunk), skipped / ring_size])))
             normaliser, metric_normaliser = spec.normalisers(args, counts)
             lrs.append(engine.get_lr()[0])
             sums, means = {}, {}
