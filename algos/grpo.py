@@ -394,11 +394,10 @@ def batch_values(args):
 
 def micro_batch_loss(model, batch, args, ring=None):
     """The policy loss of one collated micro-batch, summed as the step's normaliser expects (see aggregate); returns
-    (loss, metric sums). Without "old_logps" in the batch (single_update) the current log-probs stand in for them,
-    detached."""
+    (loss, metric sums). Under single_update the current log-probs, detached, stand in for the old ones."""
     logps, outputs = token_logps(model, batch, return_entropy=True, ring=ring)
     mask = batch["loss_mask"]
-    old_logps = batch["old_logps"] if "old_logps" in batch else logps.detach()
+    old_logps = logps.detach() if single_update(args) else batch["old_logps"]
     eps_low, eps_high = args.eps_clip_low_high or (args.eps_clip, args.eps_clip)
     if args.policy_loss == "gspo":
         per_token, clipped = gspo_loss(logps, old_logps, batch["advantages"], mask, batch["sample_index"],

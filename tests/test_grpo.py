@@ -375,9 +375,11 @@ def test_skipped_old_logprob_pass_equals_the_plain_path(assets):
     for s, t in zip(samples, unpack(logps, batch)):
         s.old_logps = t[len(s.prompt_ids):]
     results = []
-    for values in (["advantages", "vllm_logps", "old_logps"], ["advantages", "vllm_logps"]):
+    two_steps = dataclasses.replace(args, train=ActorTrainArgs(train_batch_size=8))  # the loss reads old_logps
+    for run_args in (two_steps, args):
         model.zero_grad()
-        loss, metrics = grpo.micro_batch_loss(model, make_batch(samples, 0, 64, False, values), args)
+        batch = make_batch(samples, 0, 64, False, grpo.batch_values(run_args))
+        loss, metrics = grpo.micro_batch_loss(model, batch, run_args)
         loss = loss / 30.0  # a step normaliser
         loss.backward()
         results.append((loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()]), metrics))
